@@ -1,0 +1,169 @@
+"""The ``chordq`` command: thin click commands, one library call each, errors as one line."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import os
+import sys
+from typing import Any, Callable
+
+import click
+
+from . import __version__
+from .errors import ChordqError
+
+EXIT_INTERRUPTED = 130
+
+
+def _one_line(e: BaseException) -> tuple[str, int]:
+    """Map an exception to (message, exit status): the CLI's single error table."""
+    if isinstance(e, ChordqError):
+        return str(e), e.exit_code
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted; rerun the same command to resume", EXIT_INTERRUPTED
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return f"{e.filename or 'output'}: no space left on device; free disk space and rerun to resume", 2
+    if isinstance(e, PermissionError):
+        return f"{e.filename}: permission denied", 2
+    if isinstance(e, FileNotFoundError):
+        return f"{e.filename}: no such file or directory", 2
+    if isinstance(e, OSError):
+        return f"{e.filename or ''}: {e.strerror or e}".lstrip(": "), 2
+    if isinstance(e, MemoryError):
+        return "out of memory; use --workers 1 or a machine with more RAM", 2
+    return f"internal error: {type(e).__name__}: {e} (rerun with CHORDQ_DEBUG=1 for a traceback)", 3
+
+
+def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except BaseException as e:  # noqa: BLE001 - the one place errors become messages
+            if os.environ.get("CHORDQ_DEBUG") == "1" or isinstance(e, SystemExit):
+                raise
+            message, code = _one_line(e)
+            click.echo(f"chordq: error: {message}", err=True)
+            sys.exit(code)
+
+    return wrapper
+
+
+def _examples(*lines: str) -> str:
+    return "\n\n\b\nExamples:\n" + "\n".join(f"  $ {line}" for line in lines)
+
+
+def _progress_bar(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not sys.stderr.isatty(),
+        dynamic_ncols=True,
+    )
+
+
+def _print_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2))
+
+
+def _human(n: int | float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+@click.group(
+    help="Quantize Kimi K2.x routed experts to compressed-tensors INT4 group 32 for Chord / vLLM."
+    + _examples(
+        "chordq inspect ./Kimi-K2-Instruct-0905",
+        "chordq convert ./Kimi-K2-Instruct-0905 -o ./Kimi-K2-0905-W4A16-g32",
+        "chordq convert ./Kimi-K2-Thinking -o ./out      # native INT4: copied bit for bit",
+    )
+)
+@click.version_option(__version__, prog_name="chordq")
+def main() -> None:
+    pass
+
+
+@main.command(
+    help="Convert a checkpoint's routed experts to INT4 group 32 (resumable: rerun to continue)."
+    + _examples(
+        "chordq convert examples/tiny-kimi-k2-fp8 -o /tmp/tiny-w4a16",
+        "chordq convert ./Kimi-K2-Instruct -o ./out --method rtn",
+        "chordq convert ./Kimi-K2-Instruct -o ./out --json > summary.json",
+    )
+)
+@click.argument("source")
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--method", type=click.Choice(["mse", "rtn"]), default="mse", show_default=True,
+              help="Scale search: mse (least squared error over clipping ratios) or rtn (absmax/7.5).")
+@click.option("--device", default="cpu", show_default=True, help="Device for the quantization math (cpu, cuda, cuda:N).")
+@click.option("--overwrite", is_flag=True, help="Discard a previous chordq output made with other options.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@_handle_errors
+def convert(source: str, output: str, method: str, device: str, overwrite: bool, as_json: bool) -> None:
+    from .convert import ConvertOptions, convert_checkpoint
+    from .shards import open_checkpoint
+
+    total = open_checkpoint(source).total_bytes
+    with _progress_bar(total, "convert") as bar:
+        result = convert_checkpoint(
+            source, output, ConvertOptions(method=method, device=device, overwrite=overwrite), progress=bar.update
+        )
+    if as_json:
+        _print_json(result.to_json())
+        return
+    mb_s = result.source_bytes / max(result.seconds, 1e-9) / 1e6
+    sqnr = f", expert SQNR min {result.sqnr_min_db:.2f} dB mean {result.sqnr_mean_db:.2f} dB" if result.sqnr_min_db is not None else ""
+    click.echo(
+        f"{result.output}: {result.shards_converted} shards converted, {result.shards_skipped} already done; "
+        f"{result.tensors_quantized} expert tensors quantized, {result.tensors_copied} copied; "
+        f"{_human(result.output_bytes)} written in {result.seconds:.1f}s ({mb_s:.0f} MB/s){sqnr}"
+    )
+
+
+@main.command(
+    help="Say what a checkpoint is and what convert will do (reads headers only)."
+    + _examples("chordq inspect examples/tiny-kimi-k2-fp8", "chordq inspect ./out --json")
+)
+@click.argument("source")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_handle_errors
+def inspect(source: str, as_json: bool) -> None:
+    from .plan import build_plan, describe
+    from .shards import open_checkpoint
+
+    info = describe(build_plan(open_checkpoint(source)))
+    if as_json:
+        _print_json(info)
+        return
+    p = info["plan"]
+    lines = [
+        f"path            {info['path']}",
+        f"architecture    {info['architectures']} (model_type {info['model_type']}"
+        + (f", text {info['text_model_type']})" if info["text_model_type"] else ")"),
+        f"format          {info['source_format']}",
+        f"layers          {info['num_hidden_layers']} ({info['moe_layers']} MoE), "
+        f"{info['routed_experts_per_layer']} routed experts, top-{info['experts_per_token']}",
+        f"expert shapes   gate/up {info['expert_shapes']['gate_proj']}, down {info['expert_shapes']['down_proj']}",
+        f"tensors         {info['tensors']} in {info['shards']} shards, {_human(info['source_tensor_bytes'])}",
+        f"convert will    {p['action']}",
+        f"                {p['quantize']} quantize, {p['fp8_to_bf16']} FP8->BF16, {p['copy']} copy; "
+        f"output {_human(p['output_tensor_bytes'])}",
+    ]
+    click.echo("\n".join(lines))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,63 @@
+"""The checkpoint word layout, bit for bit (format.md §2.1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+from chordq.layout import expert_tensors, pack_codes, pack_int4, unpack_codes, unpack_int4
+
+
+def test_golden_words():
+    # codes 0..15 along K: word 0 holds codes 0..7 lowest nibble first, word 1 codes 8..15.
+    q = torch.arange(-8, 8, dtype=torch.int8).reshape(1, 16)
+    assert pack_int4(q).tolist() == [[0x76543210, 0xFEDCBA98 - (1 << 32)]]
+    # one code per word position: nibble j of word w is k = 8w + j
+    codes = torch.zeros(2, 16, dtype=torch.uint8)
+    codes[0, 3] = 0xA
+    codes[1, 15] = 0x1
+    assert pack_codes(codes).tolist() == [[0xA000, 0], [0, 0x10000000]]
+
+
+def test_golden_bytes_little_endian():
+    q = torch.tensor([[-8, -7, 0, 7, 1, -1, 2, -2]], dtype=torch.int8)
+    raw = pack_int4(q).view(torch.uint8).tolist()[0]
+    # byte b: low nibble = code of k=2b, high nibble = code of k=2b+1 (code = q + 8)
+    assert raw == [0x10, 0xF8, 0x79, 0x6A]
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (3, 40), (7, 4096), (5, 3, 64), (2, 4, 6, 256), (830, 544)])
+def test_round_trip(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    q = torch.randint(-8, 8, shape, generator=g, dtype=torch.int8)
+    words = pack_int4(q)
+    assert words.dtype == torch.int32 and words.shape == (*shape[:-1], shape[-1] // 8)
+    assert torch.equal(unpack_int4(words), q)
+    assert torch.equal(unpack_codes(words), (q.to(torch.int16) + 8).to(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (3, 17, 96), (2048, 64)])
+def test_compressed_tensors_oracle(shape):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-8, 8, shape, generator=g, dtype=torch.int8)
+    ours = pack_int4(q)
+    assert torch.equal(ours, pack_to_int32(q, 4)), "compressed-tensors packs different words"
+    assert torch.equal(unpack_from_int32(ours, 4, torch.Size(shape)), q)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError):
+        pack_int4(torch.zeros(2, 12, dtype=torch.int8))
+    with pytest.raises(ValueError):
+        unpack_int4(torch.zeros(2, 3, dtype=torch.int64))
+
+
+def test_expert_tensors():
+    q = torch.randint(-8, 8, (64, 128), dtype=torch.int8)
+    s = torch.rand(64, 4).to(torch.bfloat16)
+    t = expert_tensors(q, s)
+    assert set(t) == {"weight_packed", "weight_scale", "weight_shape"}
+    assert t["weight_packed"].shape == (64, 16) and t["weight_packed"].dtype == torch.int32
+    assert t["weight_scale"].dtype == torch.bfloat16 and torch.equal(t["weight_scale"], s)
+    assert t["weight_shape"].tolist() == [64, 128] and t["weight_shape"].dtype == torch.int64
