@@ -100,7 +100,8 @@ def main() -> None:
     help="Convert a checkpoint's routed experts to INT4 group 32 (resumable: rerun to continue)."
     + _examples(
         "chordq convert examples/tiny-kimi-k2-fp8 -o /tmp/tiny-w4a16",
-        "chordq convert ./Kimi-K2-Instruct -o ./out --method rtn",
+        "chordq convert ./Kimi-K2-Instruct -o ./out --dry-run",
+        "chordq convert ./Kimi-K2-Instruct -o ./out --method rtn --device cuda",
         "chordq convert ./Kimi-K2-Instruct -o ./out --json > summary.json",
     )
 )
@@ -108,19 +109,26 @@ def main() -> None:
 @click.option("-o", "--output", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--method", type=click.Choice(["mse", "rtn"]), default="mse", show_default=True,
               help="Scale search: mse (least squared error over clipping ratios) or rtn (absmax/7.5).")
-@click.option("--device", default="cpu", show_default=True, help="Device for the quantization math (cpu, cuda, cuda:N).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda (every GPU) or cuda:N.")
+@click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Shards converted at once (0: one per GPU with cuda, else 1).")
 @click.option("--overwrite", is_flag=True, help="Discard a previous chordq output made with other options.")
+@click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @_handle_errors
-def convert(source: str, output: str, method: str, device: str, overwrite: bool, as_json: bool) -> None:
-    from .convert import ConvertOptions, convert_checkpoint
+def convert(source: str, output: str, method: str, device: str, workers: int, overwrite: bool,
+            dry_run: bool, as_json: bool) -> None:
+    from .convert import ConvertOptions, convert_checkpoint, dry_run_plan
+
+    options = ConvertOptions(method=method, device=device, workers=workers, overwrite=overwrite)
+    if dry_run:
+        info = dry_run_plan(source, output, options)
+        _print_json(info) if as_json else click.echo(_format_plan(info))
+        return
     from .shards import open_checkpoint
 
-    total = open_checkpoint(source).total_bytes
-    with _progress_bar(total, "convert") as bar:
-        result = convert_checkpoint(
-            source, output, ConvertOptions(method=method, device=device, overwrite=overwrite), progress=bar.update
-        )
+    with _progress_bar(open_checkpoint(source).total_bytes, "convert") as bar:
+        result = convert_checkpoint(source, output, options, progress=bar.update)
     if as_json:
         _print_json(result.to_json())
         return
@@ -145,9 +153,10 @@ def inspect(source: str, as_json: bool) -> None:
     from .shards import open_checkpoint
 
     info = describe(build_plan(open_checkpoint(source)))
-    if as_json:
-        _print_json(info)
-        return
+    _print_json(info) if as_json else click.echo(_format_plan(info))
+
+
+def _format_plan(info: dict[str, Any]) -> str:
     p = info["plan"]
     lines = [
         f"path            {info['path']}",
@@ -162,7 +171,17 @@ def inspect(source: str, as_json: bool) -> None:
         f"                {p['quantize']} quantize, {p['fp8_to_bf16']} FP8->BF16, {p['copy']} copy; "
         f"output {_human(p['output_tensor_bytes'])}",
     ]
-    click.echo("\n".join(lines))
+    for shard in info.get("shards_plan", []):
+        lines.append(
+            f"  {shard['file']}  {_human(shard['source_bytes'])} -> {_human(shard['output_file_bytes'])}"
+            f"  {shard['status']}"
+        )
+    if "output_dir" in info:
+        lines.append(
+            f"output dir      {info['output_dir']}: needs {_human(info['needed_bytes'])}, "
+            f"{_human(info['free_bytes'])} free; devices {', '.join(info['devices'])}"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,17 +15,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from . import __version__
 from .errors import InputError, OutputError
-from .layout import expert_tensors
 from .models import PICKLE_SUFFIXES
-from .plan import Job, JobKind, Plan, ShardPlan, build_plan, output_config
-from .quant import Method, dequantize, quantize, sqnr_db
-from .shards import INDEX_NAME, Checkpoint, open_checkpoint, read_tensor
-from .sources import read_float_weight
-from .writer import TMP_SUFFIX, ShardWriter, copy_file, write_json
+from .plan import Plan, ShardPlan, build_plan, output_config
+from .quant import Method
+from .shards import INDEX_NAME, Checkpoint, open_checkpoint
+from .workers import check_disk_space, peak_rss_bytes, resolve_devices, run_shards
+from .writer import TMP_SUFFIX, copy_file, write_json
 
 __all__ = ["ConvertOptions", "ConvertResult", "convert_checkpoint", "MANIFEST_NAME"]
 
@@ -36,15 +33,24 @@ _SKIP_FILES = {"config.json", INDEX_NAME, MANIFEST_NAME, "chordq_verify.json"}
 
 @dataclasses.dataclass(frozen=True)
 class ConvertOptions:
+    """How to convert. ``device``: auto | cpu | cuda | cuda:N; ``workers``: shards converted at
+    once (0 = one per GPU with ``cuda``, else 1: the CPU kernel already uses every core)."""
+
     method: Method = Method.MSE
-    device: str = "cpu"
+    device: str = "auto"
+    workers: int = 0
     overwrite: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
+        if self.workers < 0:
+            raise ValueError("workers must be >= 0")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise InputError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N")
 
     def fingerprint(self) -> dict[str, Any]:
-        """What must match for a resumed run to produce the same bytes."""
+        """What must match for a resumed run to produce the same bytes (every device computes
+        the same bits, so the device is not part of it)."""
         return {"method": self.method.value, "chordq_version": __version__}
 
 
@@ -62,6 +68,10 @@ class ConvertResult:
     seconds: float
     sqnr_min_db: float | None
     sqnr_mean_db: float | None
+    method: str = "mse"
+    devices: list[str] = dataclasses.field(default_factory=list)
+    workers: int = 1
+    peak_rss_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -144,52 +154,6 @@ def _shard_done(out: Path, manifest: dict[str, Any], ckpt: Checkpoint, shard: Sh
 
 
 # --------------------------------------------------------------------------------------------
-# per-shard work
-
-
-@dataclasses.dataclass
-class _Stats:
-    quantized: int = 0
-    copied: int = 0
-    sqnr: list[float] = dataclasses.field(default_factory=list)
-
-
-def _run_job(ckpt: Checkpoint, job: Job, writer: ShardWriter, options: ConvertOptions, stats: _Stats) -> None:
-    if job.kind is JobKind.COPY:
-        writer.write(job.source, read_tensor(ckpt.root, ckpt.tensors[job.source]))
-        stats.copied += 1
-        return
-    w = read_float_weight(ckpt, job.source)
-    if job.kind is JobKind.FP8_TO_BF16:
-        writer.write(job.source, w.to(torch.bfloat16))
-        stats.copied += 1
-        return
-    info = ckpt.tensors[job.source]
-    if not torch.isfinite(w).all():
-        raise InputError(f"{info.shard}: tensor {job.source} contains NaN or Inf; the source is corrupt")
-    w = w.to(options.device)
-    q, scale = quantize(w, options.method)
-    stats.sqnr.append(sqnr_db(w, dequantize(q, scale)))
-    prefix = job.source[: -len(".weight")]
-    for suffix, t in expert_tensors(q, scale).items():
-        writer.write(f"{prefix}.{suffix}", t)
-    stats.quantized += 1
-
-
-def _convert_shard(ckpt: Checkpoint, shard: ShardPlan, out: Path, options: ConvertOptions, stats: _Stats, progress) -> int:
-    writer = ShardWriter(out / shard.file, shard.specs)
-    try:
-        for job in shard.jobs:
-            _run_job(ckpt, job, writer, options, stats)
-            progress(job.source_bytes)
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
-    return writer.size
-
-
-# --------------------------------------------------------------------------------------------
 # whole checkpoint
 
 
@@ -225,45 +189,97 @@ def convert_checkpoint(
 
     :param source: local checkpoint directory (config.json + safetensors shards)
     :param output: output directory (created; must be empty, new, or a previous chordq run)
-    :param options: method, device, overwrite
+    :param options: method, device, workers, overwrite
     :param progress: called with the number of source bytes finished after every tensor
     """
     t0 = time.monotonic()
     src, out = Path(source), Path(output)
     ckpt = open_checkpoint(src)
     plan = build_plan(ckpt)
+    devices = resolve_devices(options.device, options.workers)
     manifest = _prepare_output(src, out, plan, options)
+    todo = [s for s in plan.shards if not _shard_done(out, manifest, ckpt, s)]
+    check_disk_space(out, plan, todo)
     write_json(out / MANIFEST_NAME, manifest)
     progress = progress or (lambda n: None)
-    stats = _Stats()
-    converted = skipped = 0
     for shard in plan.shards:
-        if _shard_done(out, manifest, ckpt, shard):
-            skipped += 1
+        if shard not in todo:
             progress(shard.source_bytes)
-            continue
-        size = _convert_shard(ckpt, shard, out, options, stats, progress)
-        manifest["shards"][shard.file] = {"source": _shard_key(ckpt, shard.file), "output_size": size}
+    results = []
+    for result in run_shards(ckpt, todo, out, options.method, devices, progress):
+        manifest["shards"][result.file] = {"source": _shard_key(ckpt, result.file), "output_size": result.size}
         write_json(out / MANIFEST_NAME, manifest)
-        converted += 1
+        results.append(result)
     for rel in _other_files(src):
         copy_file(src / rel, out / rel)
     _write_index(out, plan)
     write_json(out / "config.json", output_config(ckpt.config, plan.fmt))
     manifest["complete"] = True
     write_json(out / MANIFEST_NAME, manifest)
-    finite = [s for s in stats.sqnr if math.isfinite(s)]
+    sqnr = [x for r in results for x in r.sqnr if math.isfinite(x)]
     return ConvertResult(
         output=out,
         source_format=plan.fmt.value,
         shards_total=len(plan.shards),
-        shards_converted=converted,
-        shards_skipped=skipped,
-        tensors_quantized=stats.quantized,
-        tensors_copied=stats.copied,
+        shards_converted=len(results),
+        shards_skipped=len(plan.shards) - len(todo),
+        tensors_quantized=sum(r.quantized for r in results),
+        tensors_copied=sum(r.copied for r in results),
         source_bytes=plan.source_bytes,
         output_bytes=plan.output_bytes,
         seconds=time.monotonic() - t0,
-        sqnr_min_db=min(finite) if finite else None,
-        sqnr_mean_db=sum(finite) / len(finite) if finite else None,
+        sqnr_min_db=min(sqnr) if sqnr else None,
+        sqnr_mean_db=sum(sqnr) / len(sqnr) if sqnr else None,
+        method=options.method.value,
+        devices=devices,
+        workers=len(devices),
+        peak_rss_bytes=peak_rss_bytes(),
     )
+
+
+def dry_run_plan(
+    source: str | os.PathLike[str], output: str | os.PathLike[str], options: ConvertOptions = ConvertOptions()
+) -> dict[str, Any]:
+    """Everything convert checks before heavy work, and the plan it would run; writes nothing."""
+    import shutil
+
+    from .plan import describe
+    from .writer import shard_layout
+
+    src, out = Path(source), Path(output)
+    ckpt = open_checkpoint(src)
+    plan = build_plan(ckpt)
+    devices = resolve_devices(options.device, options.workers)
+    manifest: dict[str, Any] = {"shards": {}}
+    if out.exists():
+        manifest = _prepare_output_readonly(src, out, plan, options)
+    info = describe(plan)
+    shards, needed = [], 0
+    for shard in plan.shards:
+        header, spans = shard_layout(shard.specs)
+        size = len(header) + sum(n for _, n in spans.values())
+        done = out.exists() and _shard_done(out, manifest, ckpt, shard)
+        needed += 0 if done else size
+        shards.append({"file": shard.file, "source_bytes": shard.source_bytes, "output_file_bytes": size,
+                       "status": "done" if done else "to convert"})
+    probe = out if out.exists() else next(p for p in out.absolute().parents if p.exists())
+    info.update(shards_plan=shards, output_dir=str(out), needed_bytes=needed,
+                free_bytes=shutil.disk_usage(probe).free, devices=devices)
+    return info
+
+
+def _prepare_output_readonly(src: Path, out: Path, plan: Plan, options: ConvertOptions) -> dict[str, Any]:
+    """The same refusals as a real run, without touching the directory."""
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise OutputError(f"{out}: output must not be the source directory or inside it; choose another -o")
+    if not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a directory")
+    if not any(out.iterdir()):
+        return {"shards": {}}
+    path = out / MANIFEST_NAME
+    if not path.is_file():
+        raise OutputError(f"{out}: exists, is not empty and was not made by chordq; choose an empty or new -o directory")
+    manifest = json.loads(path.read_text())
+    if manifest.get("options") != options.fingerprint() and not options.overwrite:
+        raise OutputError(f"{out}: made by chordq with other options ({manifest.get('options')}); rerun with the same options or pass --overwrite")
+    return manifest if not options.overwrite else {"shards": {}}

@@ -18,6 +18,59 @@ For a logical weight ``W [N, K]`` (``K % 8 == 0``) quantized to ``q in [-8, 7]``
 
 Stacks ``[..., N, K]`` (e.g. ``[E, N, K]``) pack the last dim the same way.
 Dequantization is ``(code - 8) * scale[n, k // 32]``.
+
+Chord in-memory layouts (format.md §4)
+--------------------------------------
+chordq never writes these; Chord builds them on the GPU at load time from the checkpoint
+tensors above. They are reproduced here, in plain PyTorch on CPU, so that a GPU packer (Chord's
+``pack_w4a16`` / ``pack_w4a16_grouped``, Humming's ``transform_humming_weight``) can be checked
+bit for bit. Inputs are the checkpoint tensors of ``E`` experts: ``words`` int32 ``[E, N, K/8]``
+and ``scale`` BF16 ``[E, N, K/32]`` (2-D ``[N, K/8]`` / ``[N, K/32]`` is taken as ``E = 1`` and
+the result comes back without the expert dim). ``code[e, n, k]`` is the unsigned nibble of
+§2.1; every layout below stores that code unchanged (the kernels subtract 8), only moved.
+Each forward map has an exact inverse (``*_inverse``) that restores the checkpoint tensor.
+
+Indexed weight, ``chord_indexed_weight(words, layout)`` (§4.2): int32 ``[E, K/16, 2N]``.
+Requires ``N % 128 == 0`` and ``K % 64 == 0``. Nibble ``p`` (bits ``4p..4p+3``) of word
+``[e, r, c]`` holds ``code[e, n, k]`` with::
+
+    lane = (c % 128) // 4 ;  t = c % 4 ;  nb = c // 128
+    s  = (p % 4) * 2 + p // 4        # nibbles 0..3 <- slots 0, 2, 4, 6; nibbles 4..7 <- 1, 3, 5, 7
+    a  = s // 4 ;  b = (s // 2) % 2 ;  kk = s % 2
+    (i4, i5) = (a, b) for "mma",  (b, a) for "wgmma"   # wgmma = "mini-block transpose"
+    n = 64 * nb + 16 * t + 8 * i4 + lane // 4
+    k = 16 * r + 8 * i5 + 2 * (lane % 4) + kk
+
+So each 128-word run of a row ``r`` covers the 64 x 16 tile ``n in [64 nb, 64 nb + 64)``,
+``k in [16 r, 16 r + 16)``. ``"mma"`` is the decode (swap-AB) layout and equals upstream
+Humming's uint4 x bf16 layout; ``"wgmma"`` is the prefill layout. They are not interchangeable.
+
+Indexed scale, ``chord_indexed_scale(scale)`` (§4.3): ``[E, K/32, N]``, i.e. the transpose
+followed, inside every run of 64 consecutive N positions, by an 8 x 8 transpose::
+
+    out[e, g, 64 m + j] = scale[e, 64 m + (j % 8) * 8 + j // 8, g]      (j in 0..63)
+
+Requires ``N % 128 == 0`` (Chord's contract; the permutation itself needs only 64). The 8 x 8
+transpose is its own inverse.
+
+Grouped weight, ``chord_grouped_weight(words, mode)`` (§4.4, SM90 DeepGEMM-style):
+``torch.uint8 [E, N, K/2]``. Chord stores these same bytes in a tensor *viewed* as
+``torch.float8_e4m3fn`` (a byte container only; the inverse accepts either dtype).
+``mode="contiguous"`` (prefill) uses ``BLOCK_K = 64``, ``mode="masked"`` (decode)
+``BLOCK_K = 128``; requires ``N % 64 == 0`` and ``K % BLOCK_K == 0``. The weight is cut into
+atoms of 64 rows x BLOCK_K codes, ``(n, k) = (64 i + nl, BLOCK_K j + kl)``; inside an atom the
+local bits ``nl = (n0..n5)``, ``kl = (k0..k6)`` (LSB first; ``k6`` only for BLOCK_K 128) are
+permuted to::
+
+    destination row    = 64 i + bits(n0, n1, n2, k4, n4, n5)
+    destination column = BLOCK_K j + bits(n3, k3, k0, k1, k2, k5, k6)   # a nibble position
+
+and columns are packed two per byte, even column in the low nibble:
+``byte[e, row, b] = col[2b] | col[2b + 1] << 4``. Because ``k6`` lands on column bit 6 and
+nowhere else, BK64 and BK128 give identical bytes whenever ``K % 128 == 0``.
+
+Grouped scale, ``chord_grouped_scale(scale)``: the plain transpose ``[E, K/32, N]`` (N
+contiguous), no 8 x 8 permutation. Requires ``N % 64 == 0``.
 """
 
 from __future__ import annotations
@@ -31,6 +84,16 @@ __all__ = [
     "pack_codes",
     "unpack_codes",
     "expert_tensors",
+    "CHORD_INDEXED_LAYOUTS",
+    "CHORD_GROUPED_BLOCK_K",
+    "chord_indexed_weight",
+    "chord_indexed_weight_inverse",
+    "chord_indexed_scale",
+    "chord_indexed_scale_inverse",
+    "chord_grouped_weight",
+    "chord_grouped_weight_inverse",
+    "chord_grouped_scale",
+    "chord_grouped_scale_inverse",
 ]
 
 PACK_FACTOR = 8  # int4 codes per int32 word
@@ -78,3 +141,258 @@ def expert_tensors(q: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tens
         "weight_scale": scale.to(torch.bfloat16).contiguous(),
         "weight_shape": torch.tensor([n, k], dtype=torch.int64),
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# Chord in-memory layouts (format.md §4). Each forward map builds, from the closed-form formula,
+# the checkpoint position (n, k) of every destination nibble and gathers codes; each inverse
+# scatters them back. The formulas live in the small ``_*_source`` helpers below.
+# ----------------------------------------------------------------------------------------------
+
+CHORD_INDEXED_LAYOUTS = ("mma", "wgmma")
+CHORD_GROUPED_BLOCK_K = {"contiguous": 64, "masked": 128}
+
+
+def _indexed_source(
+    r: torch.Tensor, c: torch.Tensor, p: torch.Tensor, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """§4.2: checkpoint ``(n, k)`` of nibble ``p`` of indexed word ``[r, c]`` (broadcasts)."""
+    lane, t, nb = (c % 128) // 4, c % 4, c // 128
+    s = (p % 4) * 2 + p // 4
+    a, b, kk = s // 4, (s // 2) % 2, s % 2
+    i4, i5 = (a, b) if layout == "mma" else (b, a)
+    n = 64 * nb + 16 * t + 8 * i4 + lane // 4
+    k = 16 * r + 8 * i5 + 2 * (lane % 4) + kk
+    return n, k
+
+
+def _indexed_scale_source(j: torch.Tensor) -> torch.Tensor:
+    """§4.3: N position read by output position ``j`` (8 x 8 transpose inside each 64-run)."""
+    return 64 * (j // 64) + (j % 8) * 8 + (j % 64) // 8
+
+
+def _grouped_atom_source(
+    rl: torch.Tensor, cl: torch.Tensor, block_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """§4.4: atom-local source ``(nl, kl)`` of destination ``(row, nibble column)`` inside one
+    64 x ``block_k`` atom (broadcasts). Inverts ``row = bits(n0, n1, n2, k4, n4, n5)``,
+    ``col = bits(n3, k3, k0, k1, k2, k5, k6)`` (LSB first)."""
+
+    def bit(x: torch.Tensor, i: int) -> torch.Tensor:
+        return (x >> i) & 1
+
+    nl = bit(rl, 0) | bit(rl, 1) << 1 | bit(rl, 2) << 2 | bit(cl, 0) << 3 | bit(rl, 4) << 4
+    nl = nl | bit(rl, 5) << 5
+    kl = bit(cl, 2) | bit(cl, 3) << 1 | bit(cl, 4) << 2 | bit(cl, 1) << 3 | bit(rl, 3) << 4
+    kl = kl | bit(cl, 5) << 5
+    if block_k == 128:
+        kl = kl | bit(cl, 6) << 6
+    return nl, kl
+
+
+def _indexed_flat_source(n: int, k: int, layout: str) -> torch.Tensor:
+    """int64 ``[K/16, 2N, 8]``: flat checkpoint position ``n * K + k`` of every nibble."""
+    r = torch.arange(k // 16, dtype=torch.int64).view(-1, 1, 1)
+    c = torch.arange(2 * n, dtype=torch.int64).view(1, -1, 1)
+    p = torch.arange(PACK_FACTOR, dtype=torch.int64).view(1, 1, -1)
+    # n_src depends on (c, p) only and k_src = 16 r + f(c, p); evaluating at r = 0 and adding
+    # the row offset last keeps every intermediate small except the one final broadcast add.
+    src_n, src_k0 = _indexed_source(torch.zeros_like(r[:1]), c, p, layout)
+    return (src_n * k + src_k0) + 16 * r
+
+
+def _grouped_flat_source(n: int, k: int, block_k: int) -> torch.Tensor:
+    """int64 ``[N, K]``: flat checkpoint position ``n * K + k`` of every destination nibble."""
+    rl = torch.arange(64, dtype=torch.int64).view(-1, 1)
+    cl = torch.arange(block_k, dtype=torch.int64).view(1, -1)
+    nl, kl = _grouped_atom_source(rl, cl, block_k)
+    local = (nl * k + kl).view(1, 64, 1, block_k)  # within atom (i, j) = (row // 64, col // BK)
+    i = torch.arange(n // 64, dtype=torch.int64).view(-1, 1, 1, 1)
+    j = torch.arange(k // block_k, dtype=torch.int64).view(1, 1, -1, 1)
+    return ((64 * k) * i + block_k * j + local).view(n, k)
+
+
+def _experts(t: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
+    """``[N, X]`` -> ``([1, N, X], True)``; ``[E, N, X]`` -> ``(t, False)``."""
+    if t.ndim == 2:
+        return t.unsqueeze(0), True
+    if t.ndim == 3:
+        return t, False
+    raise ValueError(f"{name}: expected a 2-D [N, X] or 3-D [E, N, X] tensor, got shape "
+                     f"{tuple(t.shape)}")
+
+
+def _check_words(words: torch.Tensor, name: str) -> tuple[torch.Tensor, bool]:
+    if words.dtype != torch.int32:
+        raise ValueError(f"{name}: expected checkpoint words int32 [E, N, K/8], got {words.dtype}")
+    return _experts(words, name)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in CHORD_INDEXED_LAYOUTS:
+        raise ValueError(f"layout must be one of {CHORD_INDEXED_LAYOUTS}, got {layout!r}")
+
+
+def _check_indexed_nk(n: int, k: int, name: str) -> None:
+    if n % 128 or k % 64:
+        raise ValueError(f"{name}: Chord's indexed layout needs N % 128 == 0 and K % 64 == 0, "
+                         f"got N={n}, K={k}; pad N and K first (vLLM pads N to 256, K to 128)")
+
+
+def _block_k(mode: str, n: int, k: int, name: str) -> int:
+    if mode not in CHORD_GROUPED_BLOCK_K:
+        raise ValueError(f"mode must be one of {tuple(CHORD_GROUPED_BLOCK_K)}, got {mode!r}")
+    block_k = CHORD_GROUPED_BLOCK_K[mode]
+    if n % 64 or k % block_k:
+        raise ValueError(f"{name}: Chord's grouped {mode!r} layout needs N % 64 == 0 and "
+                         f"K % {block_k} == 0, got N={n}, K={k}")
+    return block_k
+
+
+def chord_indexed_weight(words: torch.Tensor, layout: str = "mma") -> torch.Tensor:
+    """Checkpoint words -> Chord's indexed physical weight (format.md §4.2).
+
+    The CPU twin of Chord's ``pack_w4a16(weight, scale, layout, packed=True)`` weight output;
+    the formula is in the module docstring ("Indexed weight").
+
+    :param words: int32 ``[E, N, K/8]`` (or ``[N, K/8]``), §2.1 bits; ``N % 128 == 0``,
+        ``K % 64 == 0``
+    :param layout: ``"mma"`` (decode, swap-AB; = upstream Humming) or ``"wgmma"`` (prefill)
+    :returns: int32 ``[E, K/16, 2N]`` (or ``[K/16, 2N]``)
+    :raises ValueError: wrong dtype/rank, unknown layout, or N, K not divisible
+    """
+    _check_layout(layout)
+    w, squeeze = _check_words(words, "chord_indexed_weight")
+    e, n, k = w.shape[0], w.shape[1], w.shape[2] * PACK_FACTOR
+    _check_indexed_nk(n, k, "chord_indexed_weight")
+    src = _indexed_flat_source(n, k, layout).to(w.device).view(-1)
+    out = torch.empty(e, k // 16, 2 * n, dtype=torch.int32, device=w.device)
+    for i in range(e):  # one expert at a time bounds memory (an index of N*K int64 is shared)
+        codes = unpack_codes(w[i]).view(-1).index_select(0, src)
+        out[i] = pack_codes(codes.view(k // 16, 2 * n * PACK_FACTOR))
+    return out.squeeze(0) if squeeze else out
+
+
+def chord_indexed_weight_inverse(packed: torch.Tensor, layout: str = "mma") -> torch.Tensor:
+    """Chord's indexed physical weight -> checkpoint words; exact inverse of
+    :func:`chord_indexed_weight`.
+
+    :param packed: int32 ``[E, K/16, 2N]`` (or ``[K/16, 2N]``)
+    :param layout: the layout it was packed with, ``"mma"`` or ``"wgmma"``
+    :returns: int32 ``[E, N, K/8]`` (or ``[N, K/8]``)
+    """
+    _check_layout(layout)
+    p, squeeze = _check_words(packed, "chord_indexed_weight_inverse")
+    if p.shape[2] % 2:
+        raise ValueError(f"chord_indexed_weight_inverse: last dim 2N must be even, "
+                         f"got {p.shape[2]}")
+    e, k, n = p.shape[0], p.shape[1] * 16, p.shape[2] // 2
+    _check_indexed_nk(n, k, "chord_indexed_weight_inverse")
+    src = _indexed_flat_source(n, k, layout).to(p.device).view(-1)
+    out = torch.empty(e, n, k // PACK_FACTOR, dtype=torch.int32, device=p.device)
+    codes = torch.empty(n * k, dtype=torch.uint8, device=p.device)
+    for i in range(e):
+        codes.index_copy_(0, src, unpack_codes(p[i]).view(-1))
+        out[i] = pack_codes(codes.view(n, k))
+    return out.squeeze(0) if squeeze else out
+
+
+def _check_scale_n(n: int, multiple: int, name: str) -> None:
+    if n % multiple:
+        raise ValueError(f"{name}: needs N % {multiple} == 0, got N={n}")
+
+
+def chord_indexed_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Checkpoint scale -> Chord's indexed scale (format.md §4.3; = Humming's
+    ``transform_humming_weight_scale``).
+
+    ``out[e, g, 64 m + j] = scale[e, 64 m + (j % 8) * 8 + j // 8, g]``. Any dtype is moved
+    bitwise (Chord uses BF16).
+
+    :param scale: ``[E, N, K/32]`` (or ``[N, K/32]``), ``N % 128 == 0``
+    :returns: contiguous ``[E, K/32, N]`` (or ``[K/32, N]``)
+    """
+    s, squeeze = _experts(scale, "chord_indexed_scale")
+    _check_scale_n(s.shape[1], 128, "chord_indexed_scale")
+    src = _indexed_scale_source(torch.arange(s.shape[1], device=s.device))
+    out = s.transpose(1, 2).index_select(2, src).contiguous()
+    return out.squeeze(0) if squeeze else out
+
+
+def chord_indexed_scale_inverse(packed_scale: torch.Tensor) -> torch.Tensor:
+    """Chord's indexed scale ``[E, K/32, N]`` -> checkpoint scale ``[E, N, K/32]``; exact
+    inverse of :func:`chord_indexed_scale` (2-D in, 2-D out)."""
+    s, squeeze = _experts(packed_scale, "chord_indexed_scale_inverse")
+    _check_scale_n(s.shape[2], 128, "chord_indexed_scale_inverse")
+    src = _indexed_scale_source(torch.arange(s.shape[2], device=s.device))
+    t = torch.empty_like(s).index_copy_(2, src, s)
+    out = t.transpose(1, 2).contiguous()
+    return out.squeeze(0) if squeeze else out
+
+
+def chord_grouped_weight(words: torch.Tensor, mode: str = "contiguous") -> torch.Tensor:
+    """Checkpoint words -> Chord's grouped (DeepGEMM-style, SM90) weight bytes (format.md §4.4).
+
+    The CPU twin of Chord's ``pack_w4a16_grouped(weight, scale, mode)`` weight output; the
+    atom bit permutation is in the module docstring ("Grouped weight"). Chord views the result
+    as ``torch.float8_e4m3fn`` (``out.view(torch.float8_e4m3fn)``); the bytes are the same.
+
+    :param words: int32 ``[E, N, K/8]`` (or ``[N, K/8]``); ``N % 64 == 0``,
+        ``K % BLOCK_K == 0``
+    :param mode: ``"contiguous"`` (prefill, BLOCK_K 64) or ``"masked"`` (decode, BLOCK_K 128)
+    :returns: ``torch.uint8`` ``[E, N, K/2]`` (or ``[N, K/2]``), two codes per byte, even
+        destination column in the low nibble
+    """
+    w, squeeze = _check_words(words, "chord_grouped_weight")
+    e, n, k = w.shape[0], w.shape[1], w.shape[2] * PACK_FACTOR
+    block_k = _block_k(mode, n, k, "chord_grouped_weight")
+    src = _grouped_flat_source(n, k, block_k).to(w.device).view(-1)
+    out = torch.empty(e, n, k // 2, dtype=torch.uint8, device=w.device)
+    for i in range(e):
+        codes = unpack_codes(w[i]).view(-1).index_select(0, src).view(n, k)
+        out[i] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return out.squeeze(0) if squeeze else out
+
+
+def chord_grouped_weight_inverse(data: torch.Tensor, mode: str = "contiguous") -> torch.Tensor:
+    """Chord's grouped weight bytes -> checkpoint words; exact inverse of
+    :func:`chord_grouped_weight`.
+
+    :param data: ``torch.uint8`` or ``torch.float8_e4m3fn`` ``[E, N, K/2]`` (or ``[N, K/2]``)
+    :param mode: the mode it was packed with, ``"contiguous"`` or ``"masked"``
+    :returns: int32 ``[E, N, K/8]`` (or ``[N, K/8]``)
+    """
+    if data.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise ValueError(f"chord_grouped_weight_inverse: expected uint8 or float8_e4m3fn bytes, "
+                         f"got {data.dtype}")
+    b, squeeze = _experts(data.view(torch.uint8), "chord_grouped_weight_inverse")
+    e, n, k = b.shape[0], b.shape[1], b.shape[2] * 2
+    block_k = _block_k(mode, n, k, "chord_grouped_weight_inverse")
+    src = _grouped_flat_source(n, k, block_k).to(b.device).view(-1)
+    out = torch.empty(e, n, k // PACK_FACTOR, dtype=torch.int32, device=b.device)
+    dst = torch.empty(n, k, dtype=torch.uint8, device=b.device)
+    codes = torch.empty(n * k, dtype=torch.uint8, device=b.device)
+    for i in range(e):
+        dst[:, 0::2] = b[i] & 0xF
+        dst[:, 1::2] = b[i] >> 4
+        codes.index_copy_(0, src, dst.view(-1))
+        out[i] = pack_codes(codes.view(n, k))
+    return out.squeeze(0) if squeeze else out
+
+
+def chord_grouped_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Checkpoint scale ``[E, N, K/32]`` -> Chord's grouped scale ``[E, K/32, N]``: a plain
+    contiguous transpose, no permutation (format.md §4.4). ``N % 64 == 0``; 2-D in, 2-D out."""
+    s, squeeze = _experts(scale, "chord_grouped_scale")
+    _check_scale_n(s.shape[1], 64, "chord_grouped_scale")
+    out = s.transpose(1, 2).contiguous()
+    return out.squeeze(0) if squeeze else out
+
+
+def chord_grouped_scale_inverse(packed_scale: torch.Tensor) -> torch.Tensor:
+    """Chord's grouped scale ``[E, K/32, N]`` -> checkpoint scale ``[E, N, K/32]``; exact
+    inverse of :func:`chord_grouped_scale` (2-D in, 2-D out)."""
+    s, squeeze = _experts(packed_scale, "chord_grouped_scale_inverse")
+    _check_scale_n(s.shape[2], 64, "chord_grouped_scale_inverse")
+    out = s.transpose(1, 2).contiguous()
+    return out.squeeze(0) if squeeze else out

@@ -42,6 +42,8 @@ GROUP_SIZE = 32
 GRIDS = ((7.5, -8, 7), (7.0, -7, 7))
 # Clip ratios tried on each grid (1.0 first: on the /7.5 grid that candidate is rtn).
 CLIP_RATIOS = tuple(round(1.0 - 0.025 * i, 4) for i in range(13))  # 1.0 .. 0.7
+# Every candidate in search order: (divisor, ratio, qmin, qmax); the first one is rtn.
+CANDIDATES = tuple((d, r, lo, hi) for d, lo, hi in GRIDS for r in CLIP_RATIOS)
 # Scale used for an all-zero group (compressed-tensors uses the scale dtype's eps too):
 # keeps every scale finite and non-zero; the codes are all 0 (code 8) either way.
 ZERO_GROUP_SCALE = torch.finfo(torch.bfloat16).eps
@@ -66,7 +68,7 @@ def _to_scale(x: torch.Tensor) -> torch.Tensor:
 
 def rtn_scales(w: torch.Tensor) -> torch.Tensor:
     """absmax / 7.5 per group of 32 along the last dim -> BF16 ``[..., K/32]``."""
-    return _to_scale(_groups(w).abs().amax(dim=-1) / 7.5)
+    return _to_scale(_groups(w).abs().amax(dim=-1) / _f32(7.5))
 
 
 def _codes(g: torch.Tensor, s: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
@@ -83,23 +85,41 @@ def quantize_with_scales(
     return q.to(torch.int8).reshape(w.shape)
 
 
+def _group_sq_error(g: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Squared error per group, identical on every implementation (CPU, numba, Triton).
+
+    ``g - q*s`` is exact in float64 (both terms are float32, q*s is exact), so is its square
+    (at most 52 significant bits); summing the 32 squares in order k = 0..31 then rounds the
+    same way everywhere, so every implementation picks the same candidate.
+    """
+    d = g.double() - (q * s.unsqueeze(-1)).double()
+    d = d * d
+    err = d[..., 0]
+    for j in range(1, GROUP_SIZE):
+        err = err + d[..., j]
+    return err
+
+
 def _mse_one(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Grid search for one chunk of groups ``[..., G, 32]`` (float32)."""
     absmax = g.abs().amax(dim=-1)
     best_err = best_s = best_q = None
-    for divisor, qmin, qmax in GRIDS:
-        for ratio in CLIP_RATIOS:
-            s = _to_scale(absmax / (divisor / ratio)).float()  # ratio 1.0: exactly rtn
-            q = _codes(g, s, qmin, qmax)
-            err = (g - q * s.unsqueeze(-1)).square_().sum(dim=-1)
-            if best_err is None:
-                best_err, best_s, best_q = err, s, q
-                continue
-            better = err < best_err  # strict: ties keep the earlier (rtn-first) candidate
-            best_err = torch.where(better, err, best_err)
-            best_s = torch.where(better, s, best_s)
-            best_q = torch.where(better.unsqueeze(-1), q, best_q)
+    for divisor, ratio, qmin, qmax in CANDIDATES:
+        s = _to_scale(absmax / _f32(divisor / ratio)).float()  # ratio 1.0: exactly rtn
+        q = _codes(g, s, qmin, qmax)
+        err = _group_sq_error(g, q, s)
+        if best_err is None:
+            best_err, best_s, best_q = err, s, q
+            continue
+        better = err < best_err  # strict: ties keep the earlier (rtn-first) candidate
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, s, best_s)
+        best_q = torch.where(better.unsqueeze(-1), q, best_q)
     return best_q, best_s
+
+
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
 
 
 # Rows per chunk: bounds the float32 working set of the search to a few MB.

@@ -67,6 +67,7 @@ class ShardWriter:
         self.size = len(header) + sum(n for _, n in self.spans.values())
         self.data_bytes = self.size - len(header)
         self.pending = set(self.specs)
+        self.partial: dict[str, int] = {}
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _reserve(self.fd, self.size, self.path)
@@ -81,16 +82,25 @@ class ShardWriter:
             raise ValueError(
                 f"{self.path.name}: tensor {name} is {tensor.dtype}{list(tensor.shape)}, planned {dtype}{list(shape)}"
             )
-        offset, size = self.spans[name]
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        view = memoryview(data)
+        self.write_bytes(name, 0, memoryview(data))
+
+    def write_bytes(self, name: str, offset: int, data: bytes | memoryview) -> None:
+        """Write raw bytes of tensor ``name`` starting ``offset`` bytes into its data."""
+        start, size = self.spans[name]
+        if offset + len(data) > size:
+            raise ValueError(f"{self.path.name}: {len(data)} bytes at {offset} overflow tensor {name} ({size} bytes)")
+        view = memoryview(data).cast("B")
         written = 0
-        while written < size:
+        while written < len(view):
             try:
-                written += os.pwrite(self.fd, view[written:], offset + written)
+                written += os.pwrite(self.fd, view[written:], start + offset + written)
             except OSError as e:
                 raise OutputError(f"{self.path}: write failed ({e.strerror}); free disk space and rerun to resume") from None
-        self.pending.discard(name)
+        done = self.partial.get(name, 0) + len(view)
+        self.partial[name] = done
+        if done >= size:
+            self.pending.discard(name)
 
     def commit(self) -> None:
         if self.pending:
