@@ -22,12 +22,13 @@ from huggingface_hub import ModelCardData, metadata_load, try_to_load_from_cache
 
 from .models import is_nested, text_config
 
-__all__ = ["render_card", "CARD_TAGS"]
+__all__ = ["CARD_TAGS", "render_card"]
 
 CARD_TAGS = ["compressed-tensors", "int4", "w4a16", "kimi", "chord", "chordq"]
 CHORD_URL = "https://github.com/novitalabs/chord"
 _MANIFEST = "chordq_manifest.json"
 _VERIFY = "chordq_verify.json"
+_VERIFY_PLOT = "chordq_verify.png"
 # What each entry of Kimi's ignore list keeps in BF16 ({dense} = number of dense MLP layers).
 _IGNORE_MEANING = {
     "lm_head": "the output head",
@@ -44,7 +45,9 @@ _SOURCE_FORMAT = {
     "`--method {method}`; the other FP8 linears were dequantized to BF16",
     "int4-ct": "native INT4 compressed-tensors routed experts, copied bit for bit (not requantized)",
 }
-_HF_CACHE_SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/[0-9a-f]{40}/?$")
+_HF_CACHE_SNAPSHOT = re.compile(
+    r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/[0-9a-f]{40}/?$"
+)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -84,7 +87,9 @@ def _license(out: Path, source: str, hub_id: str | None) -> dict[str, str]:
         except (OSError, ValueError, UnicodeDecodeError):
             meta = None
         if meta and meta.get("license"):
-            return {k: str(meta[k]) for k in ("license", "license_name", "license_link") if meta.get(k)}
+            return {
+                k: str(meta[k]) for k in ("license", "license_name", "license_link") if meta.get(k)
+            }
     return {}
 
 
@@ -108,11 +113,16 @@ def _fmt(value: Any, spec: str) -> str:
     return str(value).replace("|", "\\|")
 
 
-def _verify_section(report: dict[str, Any] | None) -> list[str]:
+def _sqnr(row: dict[str, Any], key: str) -> str:
+    # The report writes an infinite SQNR (bit-exact, e.g. copied native INT4) as null.
+    return "exact" if row.get(key) is None and row.get("bit_exact") else _fmt(row.get(key), ".2f")
+
+
+def _verify_section(out: Path, report: dict[str, Any] | None) -> list[str]:
     if report is None:
-        return ["**Not verified**: this checkpoint was pushed with `--skip-verify` and no `chordq_verify.json`."]
+        return [f"**Not verified**: pushed with `--skip-verify`, without a `{_VERIFY}`."]
     passed = report.get("passed") is True
-    lines = [f"`chordq verify`: **{'passed' if passed else 'FAILED'}** (report: `{_VERIFY}`)."]
+    lines = [f"`chordq verify`: **{'passed' if passed else 'FAILED'}** (full report: `{_VERIFY}`)."]
     layers = [row for row in report.get("layers") or [] if isinstance(row, dict)]
     if layers:
         lines += [
@@ -120,12 +130,14 @@ def _verify_section(report: dict[str, Any] | None) -> list[str]:
             "| layer | experts checked | SQNR min (dB) | SQNR mean (dB) | cos diff | status |",
             "|---:|---:|---:|---:|---:|---|",
         ]
-        for row in layers:
-            lines.append(
-                f"| {_fmt(row.get('layer'), 'd')} | {_fmt(row.get('experts_checked'), 'd')} "
-                f"| {_fmt(row.get('sqnr_min_db'), '.2f')} | {_fmt(row.get('sqnr_mean_db'), '.2f')} "
-                f"| {_fmt(row.get('cos_diff'), '.2e')} | {_fmt(row.get('status'), '')} |"
-            )
+        lines += [
+            f"| {_fmt(row.get('layer'), 'd')} | {_fmt(row.get('experts_checked'), 'd')} "
+            f"| {_sqnr(row, 'sqnr_min_db')} | {_sqnr(row, 'sqnr_mean_db')} "
+            f"| {_fmt(row.get('cos_diff'), '.2e')} | {_fmt(row.get('status'), '')} |"
+            for row in layers
+        ]
+    if (out / _VERIFY_PLOT).is_file():
+        lines += ["", f"![per-layer verification]({_VERIFY_PLOT})"]
     return lines
 
 
@@ -138,33 +150,83 @@ def _made_section(manifest: dict[str, Any], source_display: str, out: Path) -> l
     ]
     seconds, finished = manifest.get("seconds"), manifest.get("finished_at")
     if isinstance(seconds, (int, float)):
-        lines.append(f"- conversion time: {seconds / 60:.1f} min" + (f", finished {finished}" if finished else ""))
+        lines.append(
+            f"- conversion time: {seconds / 60:.1f} min"
+            + (f", finished {finished}" if finished else "")
+        )
     elif finished:
         lines.append(f"- finished: {finished}")
-    lines += ["", "```bash", f"chordq convert {source_display} -o ./{out.name} --method {method}", "```"]
+    lines += [
+        "",
+        "```bash",
+        f"chordq convert {source_display} -o ./{out.name} --method {method}",
+        "```",
+    ]
     return lines
 
 
-def render_card(out: str | Path, *, repo_id: str | None = None, base_model: str | None = None) -> str:
+def _quant_section(config: dict[str, Any]) -> list[str]:
+    tc, qc = text_config(config), _quant_config(config)
+    w = _weights_scheme(qc)
+    n_layers, dense = tc.get("num_hidden_layers", 1), tc.get("first_k_dense_replace", 0)
+    dense_text = "layer 0" if dense == 1 else f"layers 0-{dense - 1}"
+    symmetric = "symmetric" if w.get("symmetric", True) else "asymmetric"
+    return [
+        (
+            f"- format: compressed-tensors `{qc.get('format', 'pack-quantized')}` "
+            "(int32 words, 8 codes per word along K)"
+        ),
+        (
+            f"- quantized: the routed experts (`mlp.experts.*.{{gate,up,down}}_proj`), "
+            f"{tc.get('n_routed_experts', '?')} per MoE layer, layers {dense}-{n_layers - 1}"
+        ),
+        (
+            f"- scheme: {symmetric} INT{w.get('num_bits', 4)}, group size {w.get('group_size', 32)} "
+            "along K, BF16 scales, no zero point; activations stay BF16 (weight-only)"
+        ),
+        "- kept in BF16 (the config's `ignore` list):",
+        *[
+            f"  - `{p}`: {_IGNORE_MEANING.get(p, 'kept in BF16').format(dense=dense_text)}"
+            for p in qc.get("ignore") or []
+        ],
+        "- everything else (embeddings, norms, the MoE router) is carried over unchanged",
+    ]
+
+
+def _serve_section(serve_repo: str) -> list[str]:
+    return [
+        "```bash",
+        f"vllm serve {serve_repo} --moe-backend humming --tensor-parallel-size 8 --trust-remote-code",
+        "```",
+        "",
+        (
+            "`--moe-backend humming` must be asked for: vLLM does not pick Humming on its own. "
+            f"Install [Chord]({CHORD_URL}) (see its README): it provides the `humming` package that "
+            "vLLM's Humming backend loads. Do not also install `humming-kernels`: both provide a "
+            "top-level `humming` package."
+        ),
+    ]
+
+
+def render_card(
+    out: str | Path, *, repo_id: str | None = None, base_model: str | None = None
+) -> str:
     """Render ``OUT/README.md``: YAML front matter plus a Markdown body.
 
     :param out: a complete chordq output directory (manifest + config.json)
     :param repo_id: where the card will live; used in the ``vllm serve`` command
     :param base_model: Hub id of the source, overriding the one read from the manifest
         (needed when the source was a local directory outside the huggingface_hub cache)
-    :returns: the card text; its front matter has ``base_model`` (when a Hub id is known),
-        ``base_model_relation: quantized``, the source's license fields, ``library_name``,
+    :returns: the card text; its front matter has ``base_model`` and ``base_model_relation:
+        quantized`` (when a Hub id is known), the source's license fields, ``library_name``,
         ``pipeline_tag`` and ``tags``
     """
     out = Path(out)
     manifest = _read_json(out / _MANIFEST) or {}
     config = _read_json(out / "config.json") or {}
-    report = _read_json(out / _VERIFY)
     source = str(manifest.get("source", ""))
     hub_id = base_model or _source_hub_id(source)
     source_display = hub_id or (f"./{Path(source).name}" if source else "SRC")
-    tc = text_config(config)
-
     data = ModelCardData(
         base_model=hub_id,
         library_name="transformers",
@@ -173,36 +235,20 @@ def render_card(out: str | Path, *, repo_id: str | None = None, base_model: str 
         **({"base_model_relation": "quantized"} if hub_id else {}),
         **_license(out, source, hub_id),
     )
-    order = ["base_model", "base_model_relation", "license", "license_name", "license_link", "library_name"]
-    front = data.to_yaml(original_order=order)
-
-    qc = _quant_config(config)
-    w = _weights_scheme(qc)
-    n_layers, dense = tc.get("num_hidden_layers"), tc.get("first_k_dense_replace", 0)
-    dense_text = "layer 0" if dense == 1 else f"layers 0-{dense - 1}"
-    kept = [
-        f"- `{p}`: {_IGNORE_MEANING.get(p, 'kept in BF16').format(dense=dense_text)}" for p in qc.get("ignore") or []
-    ]
-    title = repo_id.split("/")[-1] if repo_id else out.name
-    serve_repo = repo_id or f"./{out.name}"
+    order = ["base_model", "base_model_relation", "license", "license_name", "license_link"]
+    group_size = _weights_scheme(_quant_config(config)).get("group_size", 32)
+    origin = f"[{hub_id}](https://huggingface.co/{hub_id})" if hub_id else f"`{source_display}`"
     body = [
-        f"# {title}",
+        f"# {repo_id.split('/')[-1] if repo_id else out.name}",
         "",
-        f"{f'[{hub_id}](https://huggingface.co/{hub_id})' if hub_id else f'`{source_display}` (a local Kimi K2.x checkpoint)'} with its routed experts in INT4 (W4A16, group size "
-        f"{w.get('group_size', 32)}), for vLLM's Humming MoE backend with [Chord]({CHORD_URL}). "
-        "Made with chordq.",
+        (
+            f"{origin} with its routed experts in INT4 (W4A16, group size {group_size}) for vLLM's "
+            f"Humming MoE backend with [Chord]({CHORD_URL}), made with chordq."
+        ),
         "",
         "## Quantization",
         "",
-        f"- format: compressed-tensors `{qc.get('format', 'pack-quantized')}` (int32 words, 8 codes per word along K)",
-        f"- quantized: the routed experts (`mlp.experts.*.{{gate,up,down}}_proj`), "
-        f"{tc.get('n_routed_experts', '?')} per MoE layer, layers {dense}-{(n_layers or 1) - 1}",
-        f"- scheme: {'symmetric' if w.get('symmetric', True) else 'asymmetric'} "
-        f"INT{w.get('num_bits', 4)}, group size {w.get('group_size', 32)} along K, BF16 scales, no zero point",
-        "- activations: BF16 (weight-only quantization)",
-        "- kept in BF16 (the config's `ignore` list):",
-        *[f"  {line}" for line in kept],
-        "- everything else (embeddings, norms, the MoE router) is carried over unchanged",
+        *_quant_section(config),
         "",
         "## How it was made",
         "",
@@ -210,17 +256,11 @@ def render_card(out: str | Path, *, repo_id: str | None = None, base_model: str 
         "",
         "## Verification",
         "",
-        *_verify_section(report),
+        *_verify_section(out, _read_json(out / _VERIFY)),
         "",
         "## Serving",
         "",
-        "```bash",
-        f"vllm serve {serve_repo} --moe-backend humming --tensor-parallel-size 8 --trust-remote-code",
-        "```",
-        "",
-        f"`--moe-backend humming` must be asked for: vLLM does not pick Humming on its own. Install "
-        f"[Chord]({CHORD_URL}) (see its README): it provides the `humming` package that vLLM's Humming "
-        "backend loads. Do not also install `humming-kernels`: both provide a top-level `humming` package.",
+        *_serve_section(repo_id or f"./{out.name}"),
         "",
     ]
-    return f"---\n{front}\n---\n\n" + "\n".join(body)
+    return f"---\n{data.to_yaml(original_order=order)}\n---\n\n" + "\n".join(body)

@@ -13,17 +13,25 @@ import contextlib
 import json
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx2
-from huggingface_hub import HfApi, constants, hf_hub_download, hf_hub_url, scan_cache_dir, snapshot_download
-from huggingface_hub import try_to_load_from_cache
+from huggingface_hub import (
+    HfApi,
+    constants,
+    hf_hub_download,
+    hf_hub_url,
+    scan_cache_dir,
+    snapshot_download,
+    try_to_load_from_cache,
+)
 from huggingface_hub.errors import (
     CacheNotFound,
     GatedRepoError,
-    HFValidationError,
     HfHubHTTPError,
+    HFValidationError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
     RemoteEntryNotFoundError,
@@ -31,8 +39,13 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.file_download import get_hf_file_metadata
-from huggingface_hub.utils import build_hf_headers, filter_repo_objects, get_session, hf_raise_for_status
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.utils import (
+    build_hf_headers,
+    filter_repo_objects,
+    get_session,
+    hf_raise_for_status,
+    validate_repo_id,
+)
 from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
 
 from . import __version__
@@ -42,7 +55,14 @@ from .errors import InputError, OutputError
 from .shards import INDEX_NAME, MAX_HEADER_BYTES
 from .writer import TMP_SUFFIX, atomic_write_text
 
-__all__ = ["is_hub_id", "HubSource", "push_checkpoint", "check_pushable", "METADATA_PATTERNS", "WEIGHT_PATTERNS"]
+__all__ = [
+    "METADATA_PATTERNS",
+    "WEIGHT_PATTERNS",
+    "HubSource",
+    "check_pushable",
+    "is_hub_id",
+    "push_checkpoint",
+]
 
 VERIFY_NAME = "chordq_verify.json"
 # What HubSource.metadata() downloads up front: configs, index, tokenizer, remote code, card.
@@ -50,7 +70,17 @@ METADATA_PATTERNS = [
     "*.json", "*.py", "*.txt", "*.tiktoken", "*.model", "*.jinja", "README.md", "LICENSE*",
 ]  # fmt: skip
 # Never part of the metadata download: weights (safetensors are fetched shard by shard; pickles never).
-WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.gguf", "*.h5", "*.msgpack"]
+WEIGHT_PATTERNS = [
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.pkl",
+    "*.gguf",
+    "*.h5",
+    "*.msgpack",
+]
 # Left out of a push: chordq's resume state (it holds local paths), partial writes, hidden files.
 PUSH_IGNORE = [MANIFEST_NAME, f"*{TMP_SUFFIX}", ".*", "*/.*"]
 # First ranged read of a remote shard; a K2 shard header is ~0.5 MB, so this usually suffices.
@@ -99,9 +129,13 @@ def _input_errors(repo_id: str, revision: str, what: str) -> Iterator[None]:
             "(if it is private, log in with hf auth login or set HF_TOKEN)"
         ) from None
     except RevisionNotFoundError:
-        raise InputError(f"{repo_id}: revision {revision!r} not found on the Hub; check --revision") from None
+        raise InputError(
+            f"{repo_id}: revision {revision!r} not found on the Hub; check --revision"
+        ) from None
     except RemoteEntryNotFoundError:
-        raise InputError(f"{repo_id}: {what} not found at revision {revision!r}; the repo is incomplete") from None
+        raise InputError(
+            f"{repo_id}: {what} not found at revision {revision!r}; the repo is incomplete"
+        ) from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         if constants.is_offline_mode():
             raise InputError(
@@ -114,8 +148,12 @@ def _input_errors(repo_id: str, revision: str, what: str) -> Iterator[None]:
     except HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else "?"
         if status == 401:
-            raise InputError(f"{repo_id}: the Hub rejected the token (HTTP 401); log in again (hf auth login)") from None
-        raise InputError(f"{repo_id}: Hub request for {what} failed (HTTP {status}); rerun to retry") from None
+            raise InputError(
+                f"{repo_id}: the Hub rejected the token (HTTP 401); log in again (hf auth login)"
+            ) from None
+        raise InputError(
+            f"{repo_id}: Hub request for {what} failed (HTTP {status}); rerun to retry"
+        ) from None
     except httpx2.HTTPError as e:
         raise InputError(
             f"{repo_id}: cannot reach the Hub ({type(e).__name__}); check the network or HF_ENDPOINT and rerun"
@@ -128,7 +166,9 @@ def _split_header(prefix: bytes, size: int, where: str) -> int:
         raise InputError(f"{where}: not a safetensors file ({size} bytes)")
     (hlen,) = struct.unpack("<Q", prefix[:8])
     if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
-        raise InputError(f"{where}: corrupt safetensors header (claims {hlen} bytes, file has {size})")
+        raise InputError(
+            f"{where}: corrupt safetensors header (claims {hlen} bytes, file has {size})"
+        )
     return hlen
 
 
@@ -151,9 +191,13 @@ class HubSource:
         src.delete("model-00001-of-000062.safetensors")          # free the disk (--delete-source)
     """
 
-    def __init__(self, repo_id: str, revision: str | None = None, token: str | bool | None = None) -> None:
+    def __init__(
+        self, repo_id: str, revision: str | None = None, token: str | bool | None = None
+    ) -> None:
         if not _valid_repo_id(repo_id):
-            raise InputError(f"{repo_id}: not a local directory and not a Hub model id (owner/name)")
+            raise InputError(
+                f"{repo_id}: not a local directory and not a Hub model id (owner/name)"
+            )
         self.repo_id = repo_id
         self.revision = revision
         self._token = token  # handed to huggingface_hub only
@@ -196,7 +240,9 @@ class HubSource:
         self._commit = path.name
         if not (path / "config.json").is_file():
             where = "in the Hugging Face cache" if constants.is_offline_mode() else "in the repo"
-            raise InputError(f"{self.repo_id}: no config.json {where} at revision {self._rev}; is it a model repo?")
+            raise InputError(
+                f"{self.repo_id}: no config.json {where} at revision {self._rev}; is it a model repo?"
+            )
         return path
 
     def fetch(self, filename: str) -> Path:
@@ -256,7 +302,9 @@ class HubSource:
             url = hf_hub_url(self.repo_id, filename, revision=self._rev)
             size = get_hf_file_metadata(url, token=self._token).size
             if size is None:
-                raise InputError(f"{self.repo_id}: the Hub did not report the size of {filename}; rerun to retry")
+                raise InputError(
+                    f"{self.repo_id}: the Hub did not report the size of {filename}; rerun to retry"
+                )
             head = self._read_range(url, 0, min(size, _FIRST_READ) - 1)
             hlen = _split_header(head, size, f"{self.repo_id}/{filename}")
             if 8 + hlen <= len(head):
@@ -265,9 +313,13 @@ class HubSource:
 
     def _read_range(self, url: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end]`` of a Hub file; stops reading even if the server ignores Range."""
-        headers = build_hf_headers(token=self._token, library_name="chordq", library_version=__version__)
+        headers = build_hf_headers(
+            token=self._token, library_name="chordq", library_version=__version__
+        )
         headers["Range"] = f"bytes={start}-{end}"
-        with get_session().stream("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
+        with get_session().stream(
+            "GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT
+        ) as r:
             if r.status_code >= 400:
                 r.read()
                 hf_raise_for_status(r)
@@ -292,9 +344,13 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
         obj = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError):
-        raise OutputError(f"{path}: unreadable {what} (invalid JSON); rerun the command that writes it") from None
+        raise OutputError(
+            f"{path}: unreadable {what} (invalid JSON); rerun the command that writes it"
+        ) from None
     if not isinstance(obj, dict):
-        raise OutputError(f"{path}: unreadable {what} (not a JSON object); rerun the command that writes it")
+        raise OutputError(
+            f"{path}: unreadable {what} (not a JSON object); rerun the command that writes it"
+        )
     return obj
 
 
@@ -313,13 +369,19 @@ def check_pushable(out: str | os.PathLike[str], skip_verify: bool = False) -> di
         raise OutputError(f"{out}: no such directory; convert first (chordq convert SRC -o {out})")
     manifest_path = out / MANIFEST_NAME
     if not manifest_path.is_file():
-        raise OutputError(f"{out}: no {MANIFEST_NAME}, so not a chordq output; convert first (chordq convert SRC -o {out})")
+        raise OutputError(
+            f"{out}: no {MANIFEST_NAME}, so not a chordq output; convert first (chordq convert SRC -o {out})"
+        )
     manifest = _read_json(manifest_path, "manifest")
     if manifest.get("complete") is not True:
-        raise OutputError(f"{out}: the conversion is incomplete; rerun the same chordq convert command to finish it")
+        raise OutputError(
+            f"{out}: the conversion is incomplete; rerun the same chordq convert command to finish it"
+        )
     for name in ("config.json", INDEX_NAME):
         if not (out / name).is_file():
-            raise OutputError(f"{out / name}: missing; rerun the same chordq convert command to rewrite it")
+            raise OutputError(
+                f"{out / name}: missing; rerun the same chordq convert command to rewrite it"
+            )
     for shard, rec in sorted(manifest.get("shards", {}).items()):
         path = out / shard
         size = path.stat().st_size if path.is_file() else None
@@ -333,7 +395,9 @@ def check_pushable(out: str | os.PathLike[str], skip_verify: bool = False) -> di
         return manifest
     report_path = out / VERIFY_NAME
     if not report_path.is_file():
-        raise OutputError(f"{out}: not verified (no {VERIFY_NAME}); run chordq verify {out}, or pass --skip-verify")
+        raise OutputError(
+            f"{out}: not verified (no {VERIFY_NAME}); run chordq verify {out}, or pass --skip-verify"
+        )
     if _read_json(report_path, "verify report").get("passed") is not True:
         raise OutputError(
             f"{report_path}: verification failed; do not publish this output (or pass --skip-verify to push anyway)"
@@ -367,13 +431,20 @@ def _push_errors(repo_id: str) -> Iterator[None]:
             ) from None
         detail = (getattr(e, "server_message", None) or "").strip().splitlines()
         detail_text = f": {detail[0]}" if detail else ""
-        raise OutputError(f"{repo_id}: upload failed (HTTP {status}{detail_text}); {resume}") from None
+        raise OutputError(
+            f"{repo_id}: upload failed (HTTP {status}{detail_text}); {resume}"
+        ) from None
     except (httpx2.HTTPError, OfflineModeIsEnabled) as e:
-        raise OutputError(f"{repo_id}: cannot reach the Hub ({type(e).__name__}); {resume}") from None
+        raise OutputError(
+            f"{repo_id}: cannot reach the Hub ({type(e).__name__}); {resume}"
+        ) from None
     except (ValueError, RuntimeError) as e:  # e.g. invalid README metadata, an LFS transfer error
         cause = e.__cause__ or e
-        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-        raise OutputError(f"{repo_id}: upload failed ({first}); {resume}") from None
+        text = (
+            " ".join(line.strip() for line in str(cause).splitlines() if line.strip())
+            or type(cause).__name__
+        )
+        raise OutputError(f"{repo_id}: upload failed ({text[:300]}); {resume}") from None
 
 
 def push_checkpoint(
@@ -410,6 +481,10 @@ def push_checkpoint(
     out = Path(out)
     if not _valid_repo_id(repo_id):
         raise InputError(f"{repo_id}: not a Hub repo id; use owner/name")
+    if base_model is not None and not _valid_repo_id(base_model):
+        raise InputError(
+            f"--base-model {base_model}: must be a Hub model id (owner/name); the Hub rejects paths"
+        )
     if create_pr and revision is not None:
         raise InputError(
             "--create-pr opens a pull request against the default branch; drop --revision "
@@ -445,7 +520,8 @@ def push_checkpoint(
             folder_path=out,
             revision=revision,
             create_pr=create_pr,
-            commit_message=commit_message or f"Upload {out.name} (chordq {__version__}: W4A16 INT4 g32 experts)",
+            commit_message=commit_message
+            or f"Upload {out.name} (chordq {__version__}: W4A16 INT4 g32 experts)",
             ignore_patterns=list(PUSH_IGNORE),
         )
     result.update(url=str(url), commit_url=info.commit_url, pr_url=info.pr_url)

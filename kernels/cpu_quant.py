@@ -60,8 +60,12 @@ if HAVE_NUMBA:
         elif kind == 1:
             row[:] = (src[n].view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
         else:
-            for k in range(row.shape[0]):
-                row[k] = lut[src[n, k]] * sinv[n // bn, k // bk]
+            k_total = row.shape[0]
+            srow = sinv[n // bn]
+            for kb in range(0, k_total, bk):
+                scale = srow[kb // bk]
+                for k in range(kb, min(kb + bk, k_total)):
+                    row[k] = lut[src[n, k]] * scale
 
     @_jit
     def _round_clamp(x, qmin, qmax):
@@ -79,22 +83,21 @@ if HAVE_NUMBA:
         for n in numba.prange(n_rows):
             row = np.empty(k_total, dtype=np.float32)
             _load(src, kind, n, row, lut, sinv, bn, bk)
-            # [32, G]: the inner loops run over groups, so each group's error is still summed
-            # in order k = 0..31 while the CPU vectorizes across groups.
-            rowt = np.ascontiguousarray(row.reshape(n_groups, 32).T)
             amax = np.zeros(n_groups, dtype=np.float32)
             sig = 0.0
             bad = 0
-            for j in range(32):
-                for g in range(n_groups):
-                    x = rowt[j, g]
+            for g in range(n_groups):
+                for j in range(32):
+                    x = row[g * 32 + j]
                     if not np.isfinite(x):  # counted and reported by the caller as an error
                         bad += 1
-                        rowt[j, g] = 0.0
                         row[g * 32 + j] = 0.0
                         x = np.float32(0.0)
                     amax[g] = max(amax[g], abs(x))
                     sig += np.float64(x) * np.float64(x)
+            # mse: a [32, G] copy so the inner loops run over groups; each group's error is
+            # still summed in order k = 0..31 while the CPU vectorizes across groups.
+            rowt = np.ascontiguousarray(row.reshape(n_groups, 32).T) if ncand > 1 else row.reshape(1, k_total)
             best_err = np.full(n_groups, np.inf)
             best_s = np.ones(n_groups, dtype=np.float32)
             best_c = np.zeros(n_groups, dtype=np.int64)
