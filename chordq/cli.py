@@ -57,17 +57,19 @@ def _examples(*lines: str) -> str:
     return "\n\n\b\nExamples:\n" + "\n".join(f"  $ {line}" for line in lines)
 
 
-def _progress_bar(total: int, desc: str):
+def _progress_bar(total: int, desc: str, unit: str = "B", position: int = 0):
+    """tqdm on a terminal (rate and ETA), silent when stderr is not a tty."""
     from tqdm.auto import tqdm
 
     return tqdm(
         total=total,
         desc=desc,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
+        unit=unit,
+        unit_scale=unit == "B",
+        unit_divisor=1024 if unit == "B" else 1000,
         disable=not sys.stderr.isatty(),
         dynamic_ncols=True,
+        position=position,
     )
 
 
@@ -127,8 +129,11 @@ def convert(source: str, output: str, method: str, device: str, workers: int, ov
         return
     from .shards import open_checkpoint
 
-    with _progress_bar(open_checkpoint(source).total_bytes, "convert") as bar:
-        result = convert_checkpoint(source, output, options, progress=bar.update)
+    ckpt = open_checkpoint(source)
+    with _progress_bar(len(ckpt.shards), "shards", "shard") as shards, \
+            _progress_bar(ckpt.total_bytes, "bytes", position=1) as bar:
+        result = convert_checkpoint(source, output, options, progress=bar.update,
+                                    on_shard=lambda f: shards.update(1))
     if as_json:
         _print_json(result.to_json())
         return

@@ -184,6 +184,7 @@ def convert_checkpoint(
     output: str | os.PathLike[str],
     options: ConvertOptions = ConvertOptions(),
     progress: Callable[[int], None] | None = None,
+    on_shard: Callable[[str], None] | None = None,
 ) -> ConvertResult:
     """Convert a local Kimi K2.x checkpoint directory into compressed-tensors INT4 group 32.
 
@@ -191,6 +192,7 @@ def convert_checkpoint(
     :param output: output directory (created; must be empty, new, or a previous chordq run)
     :param options: method, device, workers, overwrite
     :param progress: called with the number of source bytes finished after every tensor
+    :param on_shard: called with each shard's file name once it is written (or found done)
     """
     t0 = time.monotonic()
     src, out = Path(source), Path(output)
@@ -202,14 +204,17 @@ def convert_checkpoint(
     check_disk_space(out, plan, todo)
     write_json(out / MANIFEST_NAME, manifest)
     progress = progress or (lambda n: None)
+    on_shard = on_shard or (lambda f: None)
     for shard in plan.shards:
         if shard not in todo:
             progress(shard.source_bytes)
+            on_shard(shard.file)
     results = []
     for result in run_shards(ckpt, todo, out, options.method, devices, progress):
         manifest["shards"][result.file] = {"source": _shard_key(ckpt, result.file), "output_size": result.size}
         write_json(out / MANIFEST_NAME, manifest)
         results.append(result)
+        on_shard(result.file)
     for rel in _other_files(src):
         copy_file(src / rel, out / rel)
     _write_index(out, plan)

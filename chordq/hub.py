@@ -50,7 +50,6 @@ from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
 
 from . import __version__
 from .card import render_card
-from .convert import MANIFEST_NAME
 from .errors import InputError, OutputError
 from .shards import INDEX_NAME, MAX_HEADER_BYTES
 from .writer import TMP_SUFFIX, atomic_write_text
@@ -64,6 +63,9 @@ __all__ = [
     "push_checkpoint",
 ]
 
+# The same names as convert.MANIFEST_NAME and verify.VERIFY_JSON; not imported from there, so that
+# convert and verify can import this module (tests/test_push.py checks they agree).
+MANIFEST_NAME = "chordq_manifest.json"
 VERIFY_NAME = "chordq_verify.json"
 # What HubSource.metadata() downloads up front: configs, index, tokenizer, remote code, card.
 METADATA_PATTERNS = [
