@@ -12,7 +12,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = [
     "ShardHeader",
     "Checkpoint",
     "read_header",
+    "parse_header",
     "open_checkpoint",
     "read_tensor",
     "INDEX_NAME",
@@ -82,7 +83,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def read_header(root: Path, file: str) -> ShardHeader:
-    """Parse and validate one shard's header (no tensor data is read)."""
+    """Parse and validate one local shard's header (no tensor data is read)."""
     path = root / file
     try:
         size = path.stat().st_size
@@ -101,6 +102,14 @@ def read_header(root: Path, file: str) -> ShardHeader:
         raise InputError(f"{file}: shard listed by the index is missing; download it again") from None
     except OSError as e:
         raise InputError(f"{file}: cannot read ({e.strerror})") from None
+    return parse_header(file, raw, size)
+
+
+def parse_header(file: str, raw: bytes, size: int) -> ShardHeader:
+    """Validate a shard's header JSON ``raw`` (without its 8-byte length) for a file of ``size``
+    bytes: the same checks whether the header was read from disk or fetched from the Hub."""
+    if 8 + len(raw) > size:
+        raise InputError(f"{file}: corrupt safetensors header (longer than the file); re-download the shard")
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
@@ -108,7 +117,7 @@ def read_header(root: Path, file: str) -> ShardHeader:
     except (ValueError, UnicodeDecodeError):
         raise InputError(f"{file}: corrupt safetensors header (invalid JSON); re-download the shard") from None
     metadata = header.pop("__metadata__", None) or {}
-    data_start = 8 + hlen
+    data_start = 8 + len(raw)
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         try:
@@ -196,8 +205,14 @@ def _shard_files(root: Path) -> tuple[list[str], dict[str, str] | None]:
     return files, None
 
 
-def open_checkpoint(root: str | os.PathLike[str]) -> Checkpoint:
-    """Read config.json, the index and every shard header; check they agree."""
+def open_checkpoint(
+    root: str | os.PathLike[str], header_of: Callable[[str], ShardHeader] | None = None
+) -> Checkpoint:
+    """Read config.json, the index and every shard header; check they agree.
+
+    :param header_of: where a shard's header comes from (default: the local file); a Hub
+        source passes a function that fetches only the header bytes with a range request.
+    """
     root = Path(root)
     if not root.exists():
         raise InputError(f"{root}: no such directory or Hub model")
@@ -208,7 +223,7 @@ def open_checkpoint(root: str | os.PathLike[str]) -> Checkpoint:
     headers: dict[str, ShardHeader] = {}
     tensors: dict[str, TensorInfo] = {}
     for file in files:
-        header = read_header(root, file)
+        header = header_of(file) if header_of is not None else read_header(root, file)
         headers[file] = header
         for name, info in header.tensors.items():
             if name in tensors:
