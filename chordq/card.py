@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import yaml
 from huggingface_hub import ModelCardData, metadata_load, try_to_load_from_cache
 
 from .models import is_nested, text_config
@@ -75,7 +76,7 @@ def _license(out: Path, source: str, hub_id: str | None) -> dict[str, str]:
     README already in ``out`` (convert copies the source's; a previous push wrote a card that
     carries the same fields).
     """
-    candidates = [Path(source) / "README.md"]
+    candidates = [Path(source) / "README.md"] if source and Path(source).is_dir() else []
     if hub_id is not None:
         cached = try_to_load_from_cache(hub_id, "README.md")
         if isinstance(cached, str):
@@ -84,7 +85,7 @@ def _license(out: Path, source: str, hub_id: str | None) -> dict[str, str]:
     for path in candidates:
         try:
             meta = metadata_load(path) if path.is_file() else None
-        except (OSError, ValueError, UnicodeDecodeError):
+        except (OSError, ValueError, UnicodeDecodeError, yaml.YAMLError):
             meta = None
         if meta and meta.get("license"):
             return {

@@ -57,7 +57,7 @@ def _examples(*lines: str) -> str:
     return "\n\n\b\nExamples:\n" + "\n".join(f"  $ {line}" for line in lines)
 
 
-def _progress_bar(total: int, desc: str, unit: str = "B", position: int = 0):
+def _progress_bar(total: int | None, desc: str, unit: str = "B", position: int = 0):
     """tqdm on a terminal (rate and ETA), silent when stderr is not a tty."""
     from tqdm.auto import tqdm
 
@@ -105,6 +105,7 @@ def main() -> None:
         "chordq convert ./Kimi-K2-Instruct -o ./out --dry-run",
         "chordq convert ./Kimi-K2-Instruct -o ./out --method rtn --device cuda",
         "chordq convert ./Kimi-K2-Instruct -o ./out --json > summary.json",
+        "chordq convert moonshotai/Kimi-K2-Instruct-0905 -o ./out --delete-source",
     )
 )
 @click.argument("source")
@@ -115,25 +116,27 @@ def main() -> None:
 @click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True,
               help="Shards converted at once (0: one per GPU with cuda, else 1).")
 @click.option("--overwrite", is_flag=True, help="Discard a previous chordq output made with other options.")
+@click.option("--revision", help="Hub sources: branch, tag or commit.")
+@click.option("--delete-source", is_flag=True, help="Hub sources: delete each cached shard once converted.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the plan; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @_handle_errors
-def convert(source: str, output: str, method: str, device: str, workers: int, overwrite: bool,
-            dry_run: bool, as_json: bool) -> None:
+def convert(source: str, output: str, dry_run: bool, as_json: bool, **opts: Any) -> None:
     from .convert import ConvertOptions, convert_checkpoint, dry_run_plan
 
-    options = ConvertOptions(method=method, device=device, workers=workers, overwrite=overwrite)
+    options = ConvertOptions(**opts)
     if dry_run:
         info = dry_run_plan(source, output, options)
         _print_json(info) if as_json else click.echo(_format_plan(info))
         return
-    from .shards import open_checkpoint
 
-    ckpt = open_checkpoint(source)
-    with _progress_bar(len(ckpt.shards), "shards", "shard") as shards, \
-            _progress_bar(ckpt.total_bytes, "bytes", position=1) as bar:
+    def start(n_shards: int, n_bytes: int) -> None:
+        shards.reset(total=n_shards)
+        bar.reset(total=n_bytes)
+
+    with _progress_bar(None, "shards", "shard") as shards, _progress_bar(None, "bytes", position=1) as bar:
         result = convert_checkpoint(source, output, options, progress=bar.update,
-                                    on_shard=lambda f: shards.update(1))
+                                    on_shard=lambda f: shards.update(1), on_plan=start)
     if as_json:
         _print_json(result.to_json())
         return
@@ -187,6 +190,37 @@ def _format_plan(info: dict[str, Any]) -> str:
             f"{_human(info['free_bytes'])} free; devices {', '.join(info['devices'])}"
         )
     return "\n".join(lines)
+
+
+@main.command(
+    help="Publish a converted checkpoint to the Hub with a generated model card (rerun to resume)."
+    + _examples(
+        "chordq push ./Kimi-K2-0905-W4A16-g32 me/Kimi-K2-0905-W4A16-g32 --dry-run",
+        "chordq push ./Kimi-K2-0905-W4A16-g32 me/Kimi-K2-0905-W4A16-g32 --private",
+        "chordq push ./out me/model --create-pr --base-model moonshotai/Kimi-K2-Instruct-0905",
+    )
+)
+@click.argument("output", type=click.Path(file_okay=False))
+@click.argument("repo_id")
+@click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
+@click.option("--revision", help="Branch to push to (created if missing), or refs/pr/N to add to an open PR.")
+@click.option("--create-pr", is_flag=True, help="Open a pull request against the default branch instead.")
+@click.option("--commit-message", help="Commit title.")
+@click.option("--base-model", help="Hub id of the source for the card, when it was converted from a local path.")
+@click.option("--skip-verify", is_flag=True, help="Push without a passing chordq_verify.json (card: not verified).")
+@click.option("--dry-run", is_flag=True, help="Write the card and list what would be uploaded; no network.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@_handle_errors
+def push(output: str, repo_id: str, as_json: bool, **options: Any) -> None:
+    from .hub import push_checkpoint
+
+    result = push_checkpoint(output, repo_id, **options)
+    if as_json:
+        return _print_json(result)
+    if options["dry_run"]:
+        click.echo("\n".join(f"{_human(f['size']):>10}  {f['path']}" for f in result["files"]))
+    where = result["pr_url"] or result["commit_url"] or "dry run, nothing uploaded"
+    click.echo(f"{repo_id}: {len(result['files'])} files, {_human(result['bytes'])}; {where}")
 
 
 if __name__ == "__main__":  # pragma: no cover

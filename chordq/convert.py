@@ -40,6 +40,8 @@ class ConvertOptions:
     device: str = "auto"
     workers: int = 0
     overwrite: bool = False
+    revision: str | None = None  # Hub sources only
+    delete_source: bool = False  # Hub sources only: drop each cached shard once converted
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", Method(self.method))
@@ -185,6 +187,7 @@ def convert_checkpoint(
     options: ConvertOptions = ConvertOptions(),
     progress: Callable[[int], None] | None = None,
     on_shard: Callable[[str], None] | None = None,
+    on_plan: Callable[[int, int], None] | None = None,
 ) -> ConvertResult:
     """Convert a local Kimi K2.x checkpoint directory into compressed-tensors INT4 group 32.
 
@@ -193,16 +196,21 @@ def convert_checkpoint(
     :param options: method, device, workers, overwrite
     :param progress: called with the number of source bytes finished after every tensor
     :param on_shard: called with each shard's file name once it is written (or found done)
+    :param on_plan: called once with (shard count, source bytes) after preflight
     """
     t0 = time.monotonic()
-    src, out = Path(source), Path(output)
-    ckpt = open_checkpoint(src)
+    out = Path(output)
+    ckpt, hub = open_source(str(source), options)
+    src = ckpt.root
     plan = build_plan(ckpt)
     devices = resolve_devices(options.device, options.workers)
     manifest = _prepare_output(src, out, plan, options)
+    manifest["source"] = str(source)
     todo = [s for s in plan.shards if not _shard_done(out, manifest, ckpt, s)]
     check_disk_space(out, plan, todo)
     write_json(out / MANIFEST_NAME, manifest)
+    if on_plan is not None:
+        on_plan(len(plan.shards), ckpt.total_bytes)
     progress = progress or (lambda n: None)
     on_shard = on_shard or (lambda f: None)
     for shard in plan.shards:
@@ -210,11 +218,19 @@ def convert_checkpoint(
             progress(shard.source_bytes)
             on_shard(shard.file)
     results = []
-    for result in run_shards(ckpt, todo, out, options.method, devices, progress):
+    needs = {s.file: shard_inputs(ckpt, s) for s in plan.shards}
+    fetch = None if hub is None else (lambda f: [_fetch_checked(hub, ckpt, x) for x in sorted(needs[f])])
+    unfinished = {s.file for s in todo}
+    for result in run_shards(ckpt, todo, out, options.method, devices, progress, fetch):
         manifest["shards"][result.file] = {"source": _shard_key(ckpt, result.file), "output_size": result.size}
         write_json(out / MANIFEST_NAME, manifest)
         results.append(result)
         on_shard(result.file)
+        unfinished.discard(result.file)
+        if hub is not None and options.delete_source:
+            still_needed = set().union(*(needs[f] for f in unfinished)) if unfinished else set()
+            for f in sorted(needs[result.file] - still_needed):
+                hub.delete(f)
     for rel in _other_files(src):
         copy_file(src / rel, out / rel)
     _write_index(out, plan)
@@ -242,6 +258,44 @@ def convert_checkpoint(
     )
 
 
+def open_source(source: str, options: ConvertOptions) -> tuple[Checkpoint, Any]:
+    """A local directory, or a Hub id: config, index and small files are downloaded first and
+    every shard header is read with range requests, so nothing large moves before preflight."""
+    from .hub import HubSource, is_hub_id
+
+    if not is_hub_id(source):
+        if options.delete_source:
+            raise InputError(f"{source}: --delete-source only applies to Hub sources (it never deletes local files)")
+        return open_checkpoint(source), None
+    from .shards import parse_header
+
+    hub = HubSource(source, revision=options.revision)
+    root = hub.metadata()
+    return open_checkpoint(root, header_of=lambda f: parse_header(f, *hub.remote_header(f))), hub
+
+
+def shard_inputs(ckpt: Checkpoint, shard: ShardPlan) -> set[str]:
+    """Every source file a shard's conversion reads: itself, plus the shards holding FP8 scales
+    of its weights (real FP8 releases split a weight and its scale across shards)."""
+    from .plan import JobKind
+    from .sources import fp8_scale_name
+
+    files = {shard.file}
+    for job in shard.jobs:
+        if job.kind is not JobKind.COPY and (scale := ckpt.tensors.get(fp8_scale_name(job.source))) is not None:
+            files.add(scale.shard)
+    return files
+
+
+def _fetch_checked(hub: Any, ckpt: Checkpoint, file: str) -> None:
+    """Download one shard and check it is the shard the plan was made from."""
+    from .shards import read_header
+
+    hub.fetch(file)
+    if read_header(ckpt.root, file).header_sha256 != ckpt.headers[file].header_sha256:
+        raise InputError(f"{file}: the downloaded shard differs from the header checked at preflight; rerun")
+
+
 def dry_run_plan(
     source: str | os.PathLike[str], output: str | os.PathLike[str], options: ConvertOptions = ConvertOptions()
 ) -> dict[str, Any]:
@@ -251,8 +305,9 @@ def dry_run_plan(
     from .plan import describe
     from .writer import shard_layout
 
-    src, out = Path(source), Path(output)
-    ckpt = open_checkpoint(src)
+    out = Path(output)
+    ckpt, _ = open_source(str(source), options)
+    src = ckpt.root
     plan = build_plan(ckpt)
     devices = resolve_devices(options.device, options.workers)
     manifest: dict[str, Any] = {"shards": {}}

@@ -307,11 +307,14 @@ class HubSource:
                 raise InputError(
                     f"{self.repo_id}: the Hub did not report the size of {filename}; rerun to retry"
                 )
-            head = self._read_range(url, 0, min(size, _FIRST_READ) - 1)
-            hlen = _split_header(head, size, f"{self.repo_id}/{filename}")
-            if 8 + hlen <= len(head):
-                return head[8 : 8 + hlen], size
-            return head[8:] + self._read_range(url, len(head), 8 + hlen - 1), size
+            where = f"{self.repo_id}/{filename}"
+            head = self._read_range(url, 0, min(size, _FIRST_READ) - 1) if size >= 8 else b""
+            hlen = _split_header(head, size, where)
+            if 8 + hlen > len(head):
+                head += self._read_range(url, len(head), 8 + hlen - 1)
+            if len(head) < 8 + hlen:
+                raise InputError(f"{where}: the Hub sent a short header read; rerun to retry")
+            return head[8 : 8 + hlen], size
 
     def _read_range(self, url: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end]`` of a Hub file; stops reading even if the server ignores Range."""

@@ -94,6 +94,47 @@ def _work(shard: ShardPlan, out: str, method: str) -> ShardResult:
     return convert_shard(_CKPT, shard, Path(out), Method(method), _DEVICE, _PROGRESS.put)
 
 
+def _prefetched(shards: list[ShardPlan], fetch: Callable[[str], None] | None, ahead: int) -> Iterator[ShardPlan]:
+    """Yield shards in order once ``fetch`` (a download) has made each one available locally,
+    downloading up to ``ahead`` shards in advance on a background thread."""
+    if fetch is None:
+        yield from shards
+        return
+    import queue
+
+    ready: queue.Queue = queue.Queue(maxsize=max(1, ahead))
+    failed: list[BaseException] = []
+    stop = threading.Event()
+
+    def download() -> None:
+        for shard in shards:
+            if stop.is_set():
+                return
+            try:
+                fetch(shard.file)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+                failed.append(e)
+                ready.put(None)
+                return
+            while not stop.is_set():
+                try:
+                    ready.put(shard, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    t = threading.Thread(target=download, daemon=True)
+    t.start()
+    try:
+        for _ in shards:
+            shard = ready.get()
+            if shard is None:
+                raise failed[0]
+            yield shard
+    finally:
+        stop.set()
+
+
 def run_shards(
     ckpt: Checkpoint,
     shards: list[ShardPlan],
@@ -101,10 +142,15 @@ def run_shards(
     method: Method,
     devices: list[str],
     progress: Callable[[int], None],
+    fetch: Callable[[str], None] | None = None,
 ) -> Iterator[ShardResult]:
-    """Convert ``shards``, yielding each result as soon as its shard file is complete."""
+    """Convert ``shards``, yielding each result as soon as its shard file is complete.
+
+    :param fetch: makes a shard available locally (a Hub download); runs ahead of conversion
+        on a background thread so download and conversion overlap.
+    """
     if len(devices) == 1 or len(shards) <= 1:
-        for shard in shards:
+        for shard in _prefetched(shards, fetch, 1):
             yield convert_shard(ckpt, shard, out, method, devices[0], progress)
         return
     ctx = mp.get_context("spawn")
@@ -128,9 +174,16 @@ def run_shards(
         initargs=(str(ckpt.root), device_q, progress_q, threads),
     )
     try:
-        # Largest shards first keeps every worker busy until the end.
-        order = sorted(shards, key=lambda s: -s.source_bytes)
-        pending = {pool.submit(_work, s, str(out), method.value) for s in order}
+        # Local: largest shards first keeps every worker busy until the end. Hub: in download
+        # order, each submitted as soon as it has arrived.
+        order = sorted(shards, key=lambda s: -s.source_bytes) if fetch is None else shards
+        pending = set()
+        for shard in _prefetched(order, fetch, len(devices)):
+            pending.add(pool.submit(_work, shard, str(out), method.value))
+            done = {f for f in pending if f.done()}
+            pending -= done
+            for fut in done:
+                yield fut.result()
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             for fut in done:
