@@ -261,12 +261,17 @@ def convert_checkpoint(
 def open_source(source: str, options: ConvertOptions) -> tuple[Checkpoint, Any]:
     """A local directory, or a Hub id: config, index and small files are downloaded first and
     every shard header is read with range requests, so nothing large moves before preflight."""
-    from .hub import HubSource, is_hub_id
+    if Path(source).exists():
+        is_hub = False
+    else:
+        from .hub import is_hub_id  # huggingface_hub is only imported for Hub sources
 
-    if not is_hub_id(source):
+        is_hub = is_hub_id(source)
+    if not is_hub:
         if options.delete_source:
             raise InputError(f"{source}: --delete-source only applies to Hub sources (it never deletes local files)")
         return open_checkpoint(source), None
+    from .hub import HubSource
     from .shards import parse_header
 
     hub = HubSource(source, revision=options.revision)

@@ -135,6 +135,7 @@ def convert_shard(
     pipe = _Pipe()
     read_q: queue.Queue = queue.Queue(QUEUE_DEPTH)
     write_q: queue.Queue = queue.Queue(QUEUE_DEPTH)
+    copy_stream = torch.cuda.Stream(device) if device.startswith("cuda") else None
 
     def reader() -> None:
         for job in shard.jobs:
@@ -149,6 +150,10 @@ def convert_shard(
                 raw = read_tensor(ckpt.root, info)
                 sname = fp8_scale_name(job.source)
                 scale_inv = read_tensor(ckpt.root, ckpt.tensors[sname]) if info.dtype == "F8_E4M3" else None
+                if copy_stream is not None:  # host-to-device here, overlapping the kernels
+                    with torch.cuda.stream(copy_stream):
+                        raw = raw.to(device, non_blocking=False)
+                        scale_inv = None if scale_inv is None else scale_inv.to(device)
                 item = (raw, scale_inv)
             if not pipe.put(read_q, (job, item)):
                 return
@@ -183,9 +188,9 @@ def convert_shard(
                 raise InputError(f"{info.shard}: tensor {job.source} contains {bad} NaN/Inf values; the source is corrupt")
             n, k = raw.shape
             prefix = job.source[: -len(".weight")]
-            tensors = [
-                (f"{prefix}.weight_packed", words.cpu()),
-                (f"{prefix}.weight_scale", scale.cpu()),
+            tensors = [  # device-to-host happens on the writer thread
+                (f"{prefix}.weight_packed", words),
+                (f"{prefix}.weight_scale", scale),
                 (f"{prefix}.weight_shape", torch.tensor([n, k], dtype=torch.int64)),
             ]
             if not pipe.put(write_q, ("tensors", job, tensors, None)):

@@ -1,7 +1,7 @@
 """Fused GPU quantizer (Triton): source weight -> packed int32 words + BF16 scales in one pass.
 
 The GPU twin of ``chordq.quant`` (the oracle) and of ``cpu_quant`` (numba), bit-identical to
-both: IEEE float32 division (``tl.fdiv(..., ieee_rounding=True)``), round-half-even through the
+both: IEEE float32 division (``tl.div_rn``: Triton's plain ``/`` is an approximate divide on GPUs), round-half-even through the
 1.5 * 2^23 trick, BF16 round-to-nearest-even scales, and the group error summed in float64 in
 order k = 0..31 (each column is pulled out of the tile exactly with a masked sum), so every
 implementation picks the same candidate. Conversion is I/O-bound, so clarity wins over speed.
@@ -80,9 +80,9 @@ def _quantize_kernel(
         div = tl.load(divs_ptr + c)
         lo = tl.load(qmin_ptr + c)
         hi = tl.load(qmax_ptr + c)
-        s = _bf16_round(tl.fdiv(amax, tl.zeros_like(amax) + div, ieee_rounding=True))
+        s = _bf16_round(tl.div_rn(amax, tl.zeros_like(amax) + div))
         s = tl.where(s == 0.0, ZERO_SCALE, s)
-        x = tl.fdiv(w, s[:, None] + tl.zeros_like(w), ieee_rounding=True)
+        x = tl.div_rn(w, s[:, None] + tl.zeros_like(w))
         q = (x + 12582912.0) - 12582912.0
         q = tl.minimum(tl.maximum(q, lo), hi)
         d = w64 - (q * s[:, None]).to(tl.float64)
@@ -98,7 +98,7 @@ def _quantize_kernel(
 
     tl.store(noise_ptr + gi, best_err, mask=gmask)
     tl.store(scale_ptr + gi, best_s.to(tl.bfloat16), mask=gmask)
-    x = tl.fdiv(w, best_s[:, None] + tl.zeros_like(w), ieee_rounding=True)
+    x = tl.div_rn(w, best_s[:, None] + tl.zeros_like(w))
     q = (x + 12582912.0) - 12582912.0
     q = tl.minimum(tl.maximum(q, best_lo[:, None]), best_hi[:, None])
     codes = (q.to(tl.int32) + 8).to(tl.uint32)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU runs interpret
-
 import math
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU runs interpret
 
 from chordq.kernels.cpu_quant import quantize_packed_cpu
 from chordq.layout import pack_int4
