@@ -182,6 +182,9 @@ def convert_shard(
                 result.copied += 1
                 continue
             raw, scale_inv = payload
+            for t in (raw, scale_inv):
+                if t is not None and t.is_cuda:  # allocated on the copy stream, used on this one
+                    t.record_stream(torch.cuda.current_stream(t.device))
             words, scale, sqnr, bad = quantize_expert(raw, scale_inv, block, method, device)
             if bad:
                 info = ckpt.tensors[job.source]
