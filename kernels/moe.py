@@ -1,0 +1,120 @@
+"""``fused_moe``: the routed-expert MoE forward, dispatched to Triton or the PyTorch reference.
+
+Triton path (three launches after the alignment)::
+
+    moe_align_block_size(topk_ids, block_m)            -> sorted ids, expert per block
+    gate_up  [M, H] -> [M*top_k, I]   indexed W4A16 GEMM, SiLU-and-mul fused (top_k rows/token)
+    down     [M*top_k, I] -> [M*top_k, H]   same routing, top_k = 1
+    moe_sum  [M*top_k, H] -> [M, H]   weighted top-k sum, skipping expert id -1
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .align import moe_align_block_size
+from .reference import fused_moe_reference
+
+__all__ = ["fused_moe"]
+
+IMPLS = ("auto", "reference", "triton")
+
+
+def _check_inputs(
+    hidden_states: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
+    if hidden_states.dim() != 2 or hidden_states.dtype != torch.bfloat16:
+        raise ValueError(f"hidden_states must be BF16 [M, H], got {hidden_states.dtype} "
+                         f"{tuple(hidden_states.shape)}")
+    m, h = hidden_states.shape
+    e, two_i, h_words = w13_packed.shape
+    i = two_i // 2
+    expected = {
+        "w13_packed": (w13_packed, torch.int32, (e, 2 * i, h // 8)),
+        "w13_scale": (w13_scale, torch.bfloat16, (e, 2 * i, h // 32)),
+        "w2_packed": (w2_packed, torch.int32, (e, h, i // 8)),
+        "w2_scale": (w2_scale, torch.bfloat16, (e, h, i // 32)),
+    }
+    if two_i % 2 or h_words * 8 != h:
+        raise ValueError(f"w13_packed {tuple(w13_packed.shape)} does not fit H={h} "
+                         "(expected [E, 2I, H/8])")
+    for name, (t, dtype, shape) in expected.items():
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids / topk_weights must both be [M={m}, top_k], got "
+                         f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over each token's routed experts.
+
+    :param hidden_states: BF16 ``[M, H]``
+    :param w13_packed: int32 ``[E, 2I, H/8]`` (gate rows, then up rows); ``w13_scale`` BF16
+        ``[E, 2I, H/32]``
+    :param w2_packed: int32 ``[E, H, I/8]``; ``w2_scale`` BF16 ``[E, H, I/32]``
+    :param topk_weights: ``[M, top_k]`` (float32 from ``route``)
+    :param topk_ids: int ``[M, top_k]`` local expert ids; -1 (expert on another rank) is skipped
+    :param impl: ``"triton"``, ``"reference"``, or ``"auto"`` (Triton on CUDA tensors, reference
+        otherwise). ``"triton"`` on CPU tensors runs Triton's interpreter, which needs
+        ``TRITON_INTERPRET=1`` set before the Triton kernels are first imported; it raises
+        otherwise.
+    :returns: BF16 ``[M, H]``
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    _check_inputs(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
+    if impl == "auto":
+        impl = "triton" if hidden_states.is_cuda else "reference"
+    if impl == "reference":
+        return fused_moe_reference(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale,
+                                   topk_weights, topk_ids)
+    return _fused_moe_triton(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale,
+                             topk_weights, topk_ids)
+
+
+def _fused_moe_triton(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    # Imported here so the reference path works where Triton is not installed.
+    from .triton_config import choose_config
+    from .triton_moe_sum import moe_sum_triton
+    from .triton_w4a16 import moe_gemm_indexed_triton
+
+    m, h = x.shape
+    e, two_i, _ = w13_packed.shape
+    top_k = topk_ids.shape[1]
+    rows_per_expert = m * top_k / e
+    # One alignment serves both GEMMs, so both use the gate_up config's block_m.
+    interpret = x.device.type == "cpu"
+    gate_up_cfg = choose_config(rows_per_expert, two_i // 2, h, gated=True, interpret=interpret)
+    block_m = gate_up_cfg.block_m
+    down_cfg = choose_config(rows_per_expert, h, two_i // 2, block_m=block_m, interpret=interpret)
+    sorted_ids, expert_ids, ntp = moe_align_block_size(topk_ids, block_m, e)
+    act = moe_gemm_indexed_triton(x, w13_packed, w13_scale, sorted_ids, expert_ids, ntp, top_k,
+                                  block_m, activation="silu_mul", config=gate_up_cfg)
+    y = moe_gemm_indexed_triton(act, w2_packed, w2_scale, sorted_ids, expert_ids, ntp, 1,
+                                block_m, config=down_cfg)
+    return moe_sum_triton(y, topk_weights, topk_ids.to(torch.int32))

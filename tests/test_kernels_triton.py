@@ -1,0 +1,272 @@
+"""Triton W4A16 kernels vs their PyTorch twins (chordq.kernels.reference).
+
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set below before
+Triton is imported; the kernels then compute in FP32, keeping the BF16 rounding of the
+dequantized weight). With CUDA the same checks run on the GPU with BF16 tensor cores
+(``gpu``-marked parameters). Real Kimi shapes (K=7168 / N=4096 and N=7168 / K=2048) use few
+experts and tokens so the interpreted file stays within a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from chordq.kernels import (  # noqa: E402
+    W4A16Config,
+    cos_diff,
+    fused_moe,
+    fused_moe_reference,
+    grouped_gemm_contiguous_reference,
+    grouped_gemm_contiguous_triton,
+    grouped_gemm_masked_reference,
+    grouped_gemm_masked_triton,
+    moe_align_block_size,
+    moe_gemm_indexed_reference,
+    moe_gemm_indexed_triton,
+    moe_sum_reference,
+    moe_sum_triton,
+    route,
+    triton_w4a16,
+)
+from chordq.layout import pack_codes  # noqa: E402
+
+# Chord's grouped-path limit (format.md §4.1); the interpreter lands near 1e-11.
+MAX_COS_DIFF = 1e-3
+INTERPRET = triton_w4a16._INTERPRETED  # how the kernels were built, not just the env
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        INTERPRET or not torch.cuda.is_available(), reason="needs CUDA (and no interpreter)")]),
+]
+# Tile shapes the GPU heuristic uses (decode / gated / prefill), exercised on small problems.
+GPU_CONFIGS = [
+    W4A16Config(16, 128, 128, 4, 4, plane_major=True),
+    W4A16Config(16, 64, 128, 4, 4, plane_major=True),
+    W4A16Config(32, 128, 64, 4, 4, plane_major=True),
+    W4A16Config(16, 128, 128, 4, 4, plane_major=False),
+    W4A16Config(64, 128, 64, 4, 4),
+    W4A16Config(128, 64, 64, 8, 3),
+]
+SENTINEL = 7.0  # written into `out` beforehand: rows a kernel does not own must keep it
+
+
+def random_weights(e: int, n: int, k: int, device: str, seed: int = 0):
+    """Packed int32 ``[E, N, K/8]`` over all 16 code levels and BF16 scales ``[E, N, K/32]``."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (e, n, k), generator=g)
+    scale = (0.02 * torch.exp2(torch.randn(e, n, k // 32, generator=g))).to(torch.bfloat16)
+    return pack_codes(codes).to(device), scale.to(device)
+
+
+def randn_bf16(*shape: int, device: str, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return x.to(torch.bfloat16).to(device)
+
+
+def random_topk(m: int, top_k: int, num_experts: int, used: int | None = None, drop: float = 0.0,
+                seed: int = 2) -> torch.Tensor:
+    """int32 ``[m, top_k]`` distinct experts per token drawn from the first ``used`` experts."""
+    g = torch.Generator().manual_seed(seed)
+    used = num_experts if used is None else used
+    ids = torch.stack([torch.randperm(used, generator=g)[:top_k] for _ in range(m)]).to(torch.int32)
+    ids[torch.rand(m, top_k, generator=g) < drop] = -1
+    return ids
+
+
+def check_rows(got: torch.Tensor, want: torch.Tensor, owned: torch.Tensor) -> None:
+    """Owned rows match the reference; the others still hold SENTINEL (left unwritten)."""
+    owned = owned.to(got.device)
+    assert cos_diff(got[owned].cpu(), want[owned].cpu()) <= MAX_COS_DIFF
+    assert (got[~owned] == SENTINEL).all()
+
+
+# ----------------------------------------------------------------------------- indexed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,top_k,e,used,n,k,gated", [
+    (1, 1, 4, 4, 64, 64, False),
+    (3, 2, 8, 8, 96, 128, True),  # N not a multiple of the tile
+    (5, 8, 64, 20, 128, 64, False),  # 44 of 64 experts get no rows
+    (33, 8, 64, 64, 64, 128, True),
+    (3, 2, 2, 2, 4096, 7168, True),  # Kimi gate_up (w13: 2I=4096 rows, K=H=7168)
+    (2, 2, 2, 2, 7168, 2048, False),  # Kimi down (N=H=7168, K=I=2048)
+])
+def test_indexed_matches_reference(device, m, top_k, e, used, n, k, gated):
+    w, s = random_weights(e, n, k, device)
+    x = randn_bf16(m, k, device=device)
+    topk_ids = random_topk(m, top_k, e, used, drop=0.15)
+    expert_map = torch.arange(e, dtype=torch.int32)
+    expert_map[1] = -1  # expert 1 lives on another rank
+    activation = "silu_mul" if gated else None
+    # Small problems: small tiles (several K steps); real sizes: the heuristic's tiles.
+    cfg = W4A16Config(16, 64, 64 if k % 64 == 0 else 32, 4, 1) if k < 1024 else None
+    bm = 16 if cfg is None else cfg.block_m
+    aligned = moe_align_block_size(topk_ids, bm, e, expert_map)
+    sorted_ids, expert_ids, ntp = (t.to(device) for t in aligned)
+    n_out = n // 2 if gated else n
+    out = torch.full((m * top_k, n_out), SENTINEL, dtype=torch.bfloat16, device=device)
+    got = moe_gemm_indexed_triton(x, w, s, sorted_ids, expert_ids, ntp, top_k, bm,
+                                  activation=activation, config=cfg, out=out)
+    assert got is out
+    want = moe_gemm_indexed_reference(x, w, s, sorted_ids, expert_ids, ntp, top_k, bm,
+                                      activation=activation)
+    flat = topk_ids.reshape(-1)
+    check_rows(got, want, (flat >= 0) & (flat != 1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=str)
+def test_indexed_gpu_tile_shapes(device, cfg):
+    m, top_k, e, n, k = 21, 4, 6, 256, 256
+    w, s = random_weights(e, n, k, device)
+    x = randn_bf16(m, k, device=device)
+    topk_ids = random_topk(m, top_k, e)
+    aligned = moe_align_block_size(topk_ids, cfg.block_m, e)
+    sorted_ids, expert_ids, ntp = (t.to(device) for t in aligned)
+    for activation, n_out in ((None, n), ("silu_mul", n // 2)):
+        out = torch.full((m * top_k, n_out), SENTINEL, dtype=torch.bfloat16, device=device)
+        got = moe_gemm_indexed_triton(x, w, s, sorted_ids, expert_ids, ntp, top_k, cfg.block_m,
+                                      activation=activation, config=cfg, out=out)
+        want = moe_gemm_indexed_reference(x, w, s, sorted_ids, expert_ids, ntp, top_k,
+                                          cfg.block_m, activation=activation)
+        check_rows(got, want, torch.ones(m * top_k, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------- grouped
+
+
+def contiguous_layout(counts: list[int], align: int = 128) -> torch.Tensor:
+    """m_indices: each expert's rows, then -1 padding up to a multiple of ``align``."""
+    return torch.cat([torch.tensor([e] * c + [-1] * (-c % align), dtype=torch.int32)
+                      for e, c in enumerate(counts)])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", [GPU_CONFIGS[0], GPU_CONFIGS[4], GPU_CONFIGS[5]], ids=str)
+@pytest.mark.parametrize("gated", [False, True])
+def test_contiguous_matches_reference(device, cfg, gated):
+    e, n, k = 4, 128, 128
+    w, s = random_weights(e, n, k, device)
+    m_indices = contiguous_layout([3, 0, 130, 1])
+    x = randn_bf16(m_indices.numel(), k, device=device)
+    x[m_indices.to(device) < 0] = 0  # padding rows are zeroed by the producer
+    activation = "silu_mul" if gated else None
+    out = torch.full((x.shape[0], n // 2 if gated else n), SENTINEL, dtype=torch.bfloat16,
+                     device=device)
+    got = grouped_gemm_contiguous_triton(x, w, s, m_indices.to(device), activation=activation,
+                                         config=cfg, out=out)
+    want = grouped_gemm_contiguous_reference(x, w, s, m_indices.to(device), activation=activation)
+    check_rows(got, want, m_indices >= 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", [None, GPU_CONFIGS[0], GPU_CONFIGS[4]], ids=str)
+@pytest.mark.parametrize("gated", [False, True])
+def test_masked_matches_reference(device, cfg, gated):
+    g, max_m, n, k = 4, 40, 128, 128
+    w, s = random_weights(g, n, k, device)
+    x = randn_bf16(g, max_m, k, device=device)
+    masked_m = torch.tensor([0, 5, 40, 17], dtype=torch.int32)
+    activation = "silu_mul" if gated else None
+    out = torch.full((g * max_m, n // 2 if gated else n), SENTINEL, dtype=torch.bfloat16,
+                     device=device)
+    got = grouped_gemm_masked_triton(x, w, s, masked_m.to(device), expected_m=16,
+                                     activation=activation, config=cfg, out=out)
+    want = grouped_gemm_masked_reference(x, w, s, masked_m.to(device), activation=activation)
+    owned = (torch.arange(max_m)[None, :] < masked_m[:, None]).reshape(-1)
+    check_rows(got, want, owned)
+
+
+# ----------------------------------------------------------------------------- top-k sum and MoE
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,top_k,h", [(1, 1, 64), (5, 8, 7168), (33, 2, 100)])
+def test_moe_sum_matches_reference(device, m, top_k, h):
+    y = randn_bf16(m * top_k, h, device=device)
+    topk_ids = random_topk(m, top_k, 16, drop=0.2)
+    y[topk_ids.reshape(-1).to(device) < 0] = float("nan")  # unwritten rows: never read
+    weights = torch.rand(m, top_k)
+    got = moe_sum_triton(y, weights.to(device), topk_ids.to(device))
+    want = moe_sum_reference(y, weights.to(device), topk_ids.to(device))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,h,i,e,top_k,used", [
+    (1, 128, 64, 4, 1, 4),
+    (3, 256, 128, 8, 2, 8),
+    (5, 128, 64, 64, 8, 24),  # many experts, 40 of them unrouted
+    (33, 64, 32, 16, 8, 16),
+    (3, 7168, 2048, 2, 1, 1),  # Kimi K2 expert shapes; one routed expert keeps it quick
+])
+def test_fused_moe_matches_reference(device, m, h, i, e, top_k, used):
+    w13, s13 = random_weights(e, 2 * i, h, device, seed=3)
+    w2, s2 = random_weights(e, h, i, device, seed=4)
+    x = randn_bf16(m, h, device=device)
+    logits = torch.randn(m, e)
+    logits[:, used:] = -1e4  # keep the tail experts unrouted
+    topk_weights, topk_ids = route(logits, torch.zeros(e), top_k, 2.827)
+    topk_ids[0, -1] = -1  # an expert on another rank
+    args = (x, w13, s13, w2, s2, topk_weights.to(device), topk_ids.to(device))
+    got = fused_moe(*args, impl="triton")
+    want = fused_moe_reference(*args)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, h)
+    assert cos_diff(got.cpu(), want.cpu()) <= MAX_COS_DIFF
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA")
+def test_indexed_is_cuda_graph_capturable():
+    m, top_k, e, n, k = 8, 8, 48, 512, 1024
+    w, s = random_weights(e, n, k, "cuda")
+    x = randn_bf16(m, k, device="cuda")
+    topk_ids = random_topk(m, top_k, e).cuda()
+    sorted_ids, expert_ids, ntp = moe_align_block_size(topk_ids, 16, e)
+    def run() -> torch.Tensor:
+        return moe_gemm_indexed_triton(x, w, s, sorted_ids, expert_ids, ntp, top_k, 16)
+
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setattr(triton_w4a16, "_INTERPRETED", False)
+    w, s = random_weights(2, 64, 64, "cpu")
+    x = randn_bf16(2, 64, device="cpu")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        grouped_gemm_contiguous_triton(x, w, s, torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wrapper_rejects_bad_operands(device):
+    w, s = random_weights(2, 64, 64, device)
+    x = randn_bf16(2, 64, device=device)
+    ids = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="x must be"):
+        grouped_gemm_contiguous_triton(x.float(), w, s, ids)
+    with pytest.raises(ValueError, match="w_scale"):
+        grouped_gemm_contiguous_triton(x, w, s[:, :, :1], ids)
+    with pytest.raises(ValueError, match="block_k"):
+        grouped_gemm_contiguous_triton(x, w, s, ids, config=W4A16Config(16, 64, 128))
+    with pytest.raises(ValueError, match="activation"):
+        grouped_gemm_contiguous_triton(x, w, s, ids, activation="gelu")
+    with pytest.raises(ValueError, match="block_m"):
+        W4A16Config(block_m=8)
