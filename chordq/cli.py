@@ -223,5 +223,28 @@ def push(output: str, repo_id: str, as_json: bool, **options: Any) -> None:
     click.echo(f"{repo_id}: {len(result['files'])} files, {_human(result['bytes'])}; {where}")
 
 
+@main.command(
+    help="Time the bundled Triton W4A16 MoE kernels at Kimi K2 EP8 shapes on this GPU."
+    + _examples("chordq bench", "chordq bench --tokens 1 20 2048 --quick", "chordq bench --out ./bench --json")
+)
+@click.option("--tokens", type=int, multiple=True, help="Tokens per GPU (repeatable; default 1..2048).")
+@click.option("--quick", is_flag=True, help="Fewer timing repetitions.")
+@click.option("--out", type=click.Path(file_okay=False), help="Write bench_kernels.{md,json} here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@_handle_errors
+def bench(tokens: tuple[int, ...], quick: bool, out: str | None, as_json: bool) -> None:
+    import torch
+
+    from .errors import InputError
+
+    if not torch.cuda.is_available():
+        raise InputError("chordq bench needs a CUDA GPU; none is visible")
+    from .kernels.bench import DEFAULT_TOKENS, run_benchmark
+
+    rows = run_benchmark(tuple(tokens) or DEFAULT_TOKENS, out_dir=out, quick=quick)
+    if as_json:
+        _print_json(rows)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -77,3 +77,13 @@ def test_unknown_model(tmp_path, tiny):
 def test_debug_shows_traceback(tmp_path):
     r = chordq("inspect", str(tmp_path / "nope"), env={"CHORDQ_DEBUG": "1"})
     assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_bench_needs_a_gpu_or_runs():
+    import torch
+
+    r = chordq("bench", "--tokens", "1", "--quick")
+    if torch.cuda.is_available():
+        assert r.returncode == 0, r.stderr
+    else:
+        _assert_one_line_error(r, "CUDA")
