@@ -162,3 +162,40 @@ def test_option_mismatch_needs_overwrite(tiny, tmp_path):
         convert_checkpoint(tiny["bf16"], out, ConvertOptions(method="mse"))
     res = convert_checkpoint(tiny["bf16"], out, ConvertOptions(method="mse", overwrite=True))
     assert res.shards_converted == 3
+
+
+def test_two_workers_write_the_same_bytes(tiny, converted, tmp_path):
+    """Several CPU worker processes stand in for several GPUs: same bytes as one worker."""
+    res = convert_checkpoint(tiny["fp8"], tmp_path / "o", ConvertOptions(workers=2, device="cpu"))
+    assert res.workers == 2 and res.shards_converted == 3
+    assert _files(res.output) == _files(converted["fp8"])
+
+
+def test_kill_9_then_resume_is_byte_identical(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from make_tiny_kimi import make_tiny_kimi
+
+    src = make_tiny_kimi(tmp_path / "src", "bf16", shards=6, num_layers=6, num_experts=32)
+    ref = convert_checkpoint(src, tmp_path / "ref").output
+    out = tmp_path / "o"
+    proc = subprocess.Popen([sys.executable, "-m", "chordq", "convert", str(src), "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    manifest = out / "chordq_manifest.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if manifest.exists() and len(json.loads(manifest.read_text() or "{}").get("shards", {})) >= 1:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "conversion finished before it could be killed; make the model larger"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "config.json").exists()
+    res = convert_checkpoint(src, out)
+    assert res.shards_skipped >= 1
+    assert _files(out) == _files(ref)
+    assert not list(out.glob("*.chordq-tmp"))

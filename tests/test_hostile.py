@@ -217,3 +217,18 @@ def test_disk_fills_up_mid_run_then_resume(src, tmp_path):
     assert resume_rc == 0, r.stderr
     summary = json.loads((tmp_path / "resume.json").read_text())
     assert summary["shards_skipped"] >= 1 and summary["shards_converted"] >= 1
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_preflight_refuses_when_output_cannot_fit(src, tmp_path):
+    """A 2 MB tmpfs cannot hold the 5 MB output: refused before any shard is written."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    out = mnt / "out"
+    cmd = (f"mount -t tmpfs -o size=2m tmpfs {mnt} && {sys.executable} -m chordq convert {src} -o {out}; "
+           f"echo rc=$?; ls -A {out}")
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert "rc=2" in r.stdout, (r.stdout, r.stderr)
+    line = r.stderr.strip().splitlines()[-1]
+    assert "chordq: error:" in line and "free disk space" in line and "Traceback" not in r.stderr
+    assert ".safetensors" not in r.stdout.split("rc=2", 1)[1]
