@@ -236,6 +236,8 @@ def convert_checkpoint(
     _write_index(out, plan)
     write_json(out / "config.json", output_config(ckpt.config, plan.fmt))
     manifest["complete"] = True
+    manifest["seconds"] = round(manifest.get("seconds", 0.0) + time.monotonic() - t0, 3)  # all runs
+    manifest["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_json(out / MANIFEST_NAME, manifest)
     sqnr = [x for r in results for x in r.sqnr if math.isfinite(x)]
     return ConvertResult(
