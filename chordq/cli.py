@@ -224,6 +224,42 @@ def push(output: str, repo_id: str, as_json: bool, **options: Any) -> None:
 
 
 @main.command(
+    help="Check a converted checkpoint: structure, fidelity to its source, MoE compute, codes "
+    "(exit 1 when a check fails; report in OUTPUT/chordq_verify.json and .png)."
+    + _examples(
+        "chordq verify ./Kimi-K2-0905-W4A16-g32 --source moonshotai/Kimi-K2-Instruct-0905",
+        "chordq verify ./K2-Thinking-chord        # no source: structure, codes, kernel",
+        "chordq verify ./out --source ./Kimi-K2-Instruct --layers 1-3 --experts-per-layer 4 --device cuda",
+    )
+)
+@click.argument("output")
+@click.option("--source", help="The checkpoint OUTPUT was converted from (local dir or Hub id).")
+@click.option("--revision", help="Hub sources: branch, tag or commit.")
+@click.option("--layers", help="MoE layers to read and compute, e.g. 1,5,10-20 (default: all).")
+@click.option("--experts-per-layer", type=click.IntRange(min=0),
+              help="Experts per layer run through the MoE check (default: all up to 64, else 8; 0: none).")
+@click.option("--device", default="cpu", show_default=True, help="Device for the math and the Triton kernel (cpu: interpreted).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="JSON report path (default OUTPUT/chordq_verify.json).")
+@_handle_errors
+def verify(output: str, source: str | None, revision: str | None, layers: str | None,
+           experts_per_layer: int | None, device: str, json_path: str | None) -> None:
+    from .report import format_summary
+    from .verify import verify_checkpoint
+
+    src: Any = source
+    if source is not None and not os.path.exists(source):
+        from .hub import HubCheckpoint, is_hub_id
+
+        src = HubCheckpoint(source, revision=revision) if is_hub_id(source) else source
+    with _progress_bar(0, "verify") as bar:
+        report = verify_checkpoint(output, source=src, layers=layers, experts_per_layer=experts_per_layer,
+                                   device=device, json_path=json_path,
+                                   progress=lambda done, total: (setattr(bar, "total", total), bar.update(done - bar.n)))
+    click.echo(format_summary(report))
+    report.raise_if_failed()
+
+
+@main.command(
     help="Time the bundled Triton W4A16 MoE kernels at Kimi K2 EP8 shapes on this GPU."
     + _examples("chordq bench", "chordq bench --tokens 1 20 2048 --quick", "chordq bench --out ./bench --json")
 )

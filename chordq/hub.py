@@ -531,3 +531,24 @@ def push_checkpoint(
         )
     result.update(url=str(url), commit_url=info.commit_url, pr_url=info.pr_url)
     return result
+
+
+class HubCheckpoint:
+    """A Hub model as a verify/convert source: headers from range reads, each shard downloaded
+    into the standard cache the first time one of its tensors is read."""
+
+    def __init__(self, repo_id: str, revision: str | None = None, token: str | None = None) -> None:
+        from .shards import open_checkpoint, parse_header
+
+        self.hub = HubSource(repo_id, revision=revision, token=token)
+        root = self.hub.metadata()
+        self.checkpoint = open_checkpoint(root, header_of=lambda f: parse_header(f, *self.hub.remote_header(f)))
+        self._fetched: set[str] = set()
+
+    def read_tensor(self, info: Any) -> Any:
+        from .shards import read_tensor
+
+        if info.shard not in self._fetched:
+            self.hub.fetch(info.shard)
+            self._fetched.add(info.shard)
+        return read_tensor(self.checkpoint.root, info)
