@@ -35,6 +35,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "sqnr_db",
+    "sqnr_from_sums",
 ]
 
 GROUP_SIZE = 32
@@ -157,8 +158,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB (torchao ``compute_error``), float64 sums."""
     ref = reference.double()
-    noise = (ref - approx.double()).square().sum().item()
-    signal = ref.square().sum().item()
+    return sqnr_from_sums(ref.square().sum().item(), (ref - approx.double()).square().sum().item())
+
+
+def sqnr_from_sums(signal: float, noise: float) -> float:
+    """10 log10(signal / noise); +inf for an exact copy, -inf for an all-zero reference."""
     if noise == 0:
         return math.inf
     if signal == 0:

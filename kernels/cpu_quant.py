@@ -25,7 +25,7 @@ try:
 except ImportError:  # pragma: no cover - numba is a dependency; the torch path is the fallback
     HAVE_NUMBA = False
 
-from chordq.quant import CANDIDATES, GROUP_SIZE, ZERO_GROUP_SCALE, Method
+from chordq.quant import CANDIDATES, GROUP_SIZE, ZERO_GROUP_SCALE, Method, sqnr_from_sums
 
 __all__ = ["HAVE_NUMBA", "quantize_packed_cpu"]
 
@@ -187,13 +187,7 @@ def quantize_packed_cpu(
     bad = np.empty(n, dtype=np.int64)
     _quantize_kernel(src, kind, _FP8_LUT, sinv, bn, bk, ncand, _DIVS, _QMIN, _QMAX,
                      np.float32(ZERO_GROUP_SCALE), words, scales, sig, noise, bad)
-    total_noise, total_sig = float(noise.sum()), float(sig.sum())
-    if total_noise == 0:
-        sqnr = math.inf
-    elif total_sig == 0:
-        sqnr = -math.inf
-    else:
-        sqnr = 10.0 * math.log10(total_sig / total_noise)
+    sqnr = sqnr_from_sums(float(sig.sum()), float(noise.sum()))
     return (
         torch.from_numpy(words.view(np.int32)),
         torch.from_numpy(scales).to(torch.bfloat16),  # exact: every value is a BF16 number

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from chordq.quant import CANDIDATES, GROUP_SIZE, ZERO_GROUP_SCALE, Method
+from chordq.quant import CANDIDATES, GROUP_SIZE, ZERO_GROUP_SCALE, Method, sqnr_from_sums
 
 __all__ = ["quantize_packed_triton"]
 
@@ -155,11 +155,5 @@ def quantize_packed_triton(
         groups, k // GROUP_SIZE, sinv.shape[-1] if is_fp8 else 1,
         BN=bn, BK=bk, NCAND=len(cands), ZERO_SCALE=ZERO_GROUP_SCALE, IS_FP8=is_fp8, BLOCK_G=block_g,
     )
-    total_noise, total_sig = float(noise.sum()), float(sig.sum())
-    if total_noise == 0:
-        sqnr = math.inf
-    elif total_sig == 0:
-        sqnr = -math.inf
-    else:
-        sqnr = 10.0 * math.log10(total_sig / total_noise)
+    sqnr = sqnr_from_sums(float(sig.sum()), float(noise.sum()))
     return words, scale, sqnr, int(bad.sum())
