@@ -5,7 +5,8 @@ codes per word along K (lowest nibble first, code = q + 8), BF16 scales ``[E, N,
 
 Modules: ``reference`` (plain-PyTorch oracles + routing), ``align`` (moe_align_block_size),
 ``triton_w4a16`` (grouped GEMMs), ``triton_moe_sum`` (top-k sum), ``triton_config`` (tile
-heuristic), ``moe`` (fused_moe dispatch), ``bench`` (H200 benchmark).
+heuristic), ``moe`` (fused_moe dispatch), ``bench`` (H200 benchmark), ``bench_humming`` (the
+same kernels side by side with humming-kernels, same process and inputs).
 
 The Triton-backed names are imported lazily, on first use, so ``route``, ``fused_moe(...,
 impl="reference")`` and the references work without Triton, and so ``TRITON_INTERPRET`` may be

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One H200 session: GPU correctness (kernels + fused quantizer), kernel benchmark, convert benchmark.
-# Usage (repo root, on the GPU machine):  OUT=/some/dir bash scripts/gpu_checks.sh [all|quick|convert]
+# Usage (repo root, on the GPU machine):  OUT=/some/dir bash scripts/gpu_checks.sh [MODE]
 #   quick: tests + kernel benchmark; convert: quantizer tests + convert benchmark; all: everything
+#   humming: chordq vs humming-kernels side by side, EP8, T = 1..8192 (no tests; ~5-7 min)
+#   humming-tp8: the same at TP8 shapes (384 experts)
+#   The humming modes need the wheel: HUMMING_WHEEL=path, else the newest .whl/humming_kernels-*.whl
+#   (carry .whl to the GPU machine); extra flags for scripts/bench_kernels.py in HUMMING_ARGS.
 set -uo pipefail
 OUT=${OUT:-/tmp/chordq-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -9,9 +13,24 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 log() { echo "=== $*" | tee -a "$OUT/summary.txt"; }
 log "$(date -u) $(nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader)"
 python3 -c "import torch, triton, numba; print('torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__)" | tee -a "$OUT/summary.txt"
+MODE=${1:-all}
+case "$MODE" in
+  humming|humming-tp8)
+    WHL=${HUMMING_WHEEL:-$(ls .whl/humming_kernels-*.whl 2>/dev/null | tail -1)}
+    LAYOUT=EP8; [ "$MODE" = humming-tp8 ] && LAYOUT=TP8
+    log "bench_kernels --against humming --layouts $LAYOUT (wheel: ${WHL:-none found})"
+    # --max-minutes: start no new shape after 6 min; rows already measured are written as they finish
+    timeout 460 python3 scripts/bench_kernels.py --against humming ${WHL:+--humming-wheel "$WHL"} \
+      --layouts "$LAYOUT" --max-minutes 6 --out "$OUT/$MODE" ${HUMMING_ARGS:-} > "$OUT/$MODE.txt" 2>&1
+    rc=$?
+    tail -45 "$OUT/$MODE.txt"
+    log "bench_kernels --against humming exit $rc (0 ok, 1 cos_diff failure, 2 Humming side missing, 124 timeout)"
+    log "$(date -u) $(nvidia-smi --query-gpu=clocks.sm,temperature.gpu --format=csv,noheader)"
+    exit 0
+    ;;
+esac
 log "pytest gpu"
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py 2>&1 | tail -8 | tee "$OUT/pytest_gpu.txt"
-MODE=${1:-all}
 if [ "$MODE" != convert ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_triton.py 2>&1 | tail -25 | tee -a "$OUT/pytest_gpu.txt"
   log "bench_kernels"
