@@ -42,7 +42,8 @@ GRAPH_CALLS = 20
 # regime; block_n is per half for gate_up (silu_mul reads two weight row sets).
 _SWEEP_DECODE = [(64, 128, 4, 4, True), (128, 128, 4, 4, True), (128, 128, 4, 4, False),
                  (64, 256, 4, 4, True), (128, 256, 8, 3, True), (256, 128, 8, 3, True),
-                 (128, 64, 4, 6, True), (64, 128, 4, 6, True)]
+                 (128, 64, 4, 6, True), (64, 128, 4, 6, True), (64, 256, 4, 3, True),
+                 (128, 256, 4, 3, True), (32, 256, 4, 4, True), (64, 512, 8, 3, True)]
 _SWEEP_PREFILL = [(64, 64, 4, 4, False), (128, 64, 4, 4, False), (128, 64, 8, 3, False),
                   (64, 64, 8, 3, False), (256, 64, 8, 3, False), (128, 32, 8, 4, False),
                   (128, 64, 8, 3, True)]

@@ -99,9 +99,18 @@ def choose_config(
         bk = _largest_dividing(k, 512)
         return W4A16Config(bm, min(256, max_bn), bk, 4, 1, plane_major=bk >= 64)
     bn = min(64 if gated else 128, max_bn)  # gated tiles read two weight row sets
+    # Tiles below were picked from `scripts/bench_kernels.py --sweep` on the H200 (2026-12-02,
+    # docs/performance.md): 256-deep K steps (128-byte weight rows per load) win for gated
+    # decode and for 32-row tiles; gated prefill prefers 4 warps and 4 stages.
     if bm <= 32:
+        if gated or bm == 32:
+            bk = _largest_dividing(k, 256)
+            wide = gated and bm == 16 and rows_per_expert >= 1
+            stages = 4 if gated and bm == 16 and not wide else 3
+            return W4A16Config(bm, min(128, max_bn) if wide else bn, bk, num_warps=4,
+                               num_stages=stages, plane_major=bk >= 64)
         bk = _largest_dividing(k, 128)
         return W4A16Config(bm, bn, bk, num_warps=4, num_stages=4, plane_major=bk >= 64)
-    if bm == 64:
+    if bm == 64 or gated:
         return W4A16Config(bm, bn, _largest_dividing(k, 64), num_warps=4, num_stages=4)
     return W4A16Config(bm, bn, _largest_dividing(k, 64), num_warps=8, num_stages=3)
