@@ -71,18 +71,9 @@ def _bytes_and_flops(proj: str, tokens: int, touched: int) -> tuple[float, float
 
 def _time_graph(fn: Callable[[], object], reps: int) -> float:
     """Median µs per call over ``reps`` replays of a graph of GRAPH_CALLS calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    from .bench_humming import capture_graph
+
+    graph = capture_graph(fn, GRAPH_CALLS)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
