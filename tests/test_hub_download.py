@@ -281,3 +281,18 @@ def test_delete_source_refuses_local_dirs(tiny, tmp_path):
 
     with pytest.raises(InputError, match="only applies to Hub"):
         convert_checkpoint(tiny["fp8"], tmp_path / "o", ConvertOptions(delete_source=True))
+
+
+def test_verify_against_a_hub_source(tiny, converted, fake_hub: FakeHub, hf_env, tmp_path):
+    """`chordq verify OUT --source MODEL_ID`: headers by range reads, shards fetched on first use."""
+    import shutil
+
+    from chordq.hub import HubCheckpoint
+    from chordq.verify import verify_checkpoint
+
+    fake_hub.add_repo(REPO, repo_files(tiny["fp8"]))
+    out = Path(shutil.copytree(converted["fp8"], tmp_path / "out"))
+    report = verify_checkpoint(out, source=HubCheckpoint(REPO), experts_per_layer=0)
+    assert report.passed, report.failures
+    fetched = {p.name for p in hf_env.rglob("*.safetensors")}
+    assert fetched == set(shards(repo_files(tiny["fp8"])))
