@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -85,26 +86,21 @@ class ConvertResult:
 # output directory and manifest
 
 
-def _prepare_output(src: Path, out: Path, plan: Plan, options: ConvertOptions) -> dict[str, Any]:
+def _check_output(src: Path, out: Path, plan: Plan, options: ConvertOptions) -> tuple[dict[str, Any] | None, bool]:
+    """Every refusal about the output directory, without touching it.
+
+    :returns: (the manifest of a previous run to resume, or None to start fresh;
+        whether chordq's previous output must be cleared first)
+    """
     if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
         raise OutputError(f"{out}: output must not be the source directory or inside it; choose another -o")
-    manifest_path = out / MANIFEST_NAME
-    fresh = {
-        "chordq_version": __version__,
-        "options": options.fingerprint(),
-        "source": str(src),
-        "source_format": plan.fmt.value,
-        "shards": {},
-        "complete": False,
-    }
     if not out.exists():
-        out.mkdir(parents=True)
-        return fresh
+        return None, False
     if not out.is_dir():
         raise OutputError(f"{out}: exists and is not a directory")
-    entries = [p for p in out.iterdir()]
-    if not entries:
-        return fresh
+    if not any(out.iterdir()):
+        return None, False
+    manifest_path = out / MANIFEST_NAME
     if not manifest_path.is_file():
         raise OutputError(
             f"{out}: exists, is not empty and was not made by chordq; choose an empty or new -o directory"
@@ -119,20 +115,33 @@ def _prepare_output(src: Path, out: Path, plan: Plan, options: ConvertOptions) -
                 f"{out}: made by chordq with other options ({manifest.get('options')}); "
                 "rerun with the same options or pass --overwrite"
             )
-        _clear_output(out)
-        return fresh
+        return None, True
     if options.overwrite:
+        return None, True
+    return manifest, False
+
+
+def _prepare_output(src: Path, out: Path, plan: Plan, options: ConvertOptions) -> dict[str, Any]:
+    manifest, clear = _check_output(src, out, plan, options)
+    if clear:
         _clear_output(out)
-        return fresh
-    return manifest
+    out.mkdir(parents=True, exist_ok=True)
+    if manifest is not None:
+        return manifest
+    return {
+        "chordq_version": __version__,
+        "options": options.fingerprint(),
+        "source": str(src),
+        "source_format": plan.fmt.value,
+        "shards": {},
+        "complete": False,
+    }
 
 
 def _clear_output(out: Path) -> None:
     """Remove what chordq wrote (only called on a directory holding a chordq manifest)."""
     for p in out.iterdir():
         if p.is_dir():
-            import shutil
-
             shutil.rmtree(p)
         else:
             p.unlink()
@@ -207,7 +216,7 @@ def convert_checkpoint(
     manifest = _prepare_output(src, out, plan, options)
     manifest["source"] = str(source)
     todo = [s for s in plan.shards if not _shard_done(out, manifest, ckpt, s)]
-    check_disk_space(out, plan, todo)
+    check_disk_space(out, todo)
     write_json(out / MANIFEST_NAME, manifest)
     if on_plan is not None:
         on_plan(len(plan.shards), ckpt.total_bytes)
@@ -273,12 +282,10 @@ def open_source(source: str, options: ConvertOptions) -> tuple[Checkpoint, Any]:
         if options.delete_source:
             raise InputError(f"{source}: --delete-source only applies to Hub sources (it never deletes local files)")
         return open_checkpoint(source), None
-    from .hub import HubSource
-    from .shards import parse_header
+    from .hub import HubCheckpoint
 
-    hub = HubSource(source, revision=options.revision)
-    root = hub.metadata()
-    return open_checkpoint(root, header_of=lambda f: parse_header(f, *hub.remote_header(f))), hub
+    remote = HubCheckpoint(source, revision=options.revision)
+    return remote.checkpoint, remote.hub
 
 
 def shard_inputs(ckpt: Checkpoint, shard: ShardPlan) -> set[str]:
@@ -307,46 +314,21 @@ def dry_run_plan(
     source: str | os.PathLike[str], output: str | os.PathLike[str], options: ConvertOptions = ConvertOptions()
 ) -> dict[str, Any]:
     """Everything convert checks before heavy work, and the plan it would run; writes nothing."""
-    import shutil
-
     from .plan import describe
-    from .writer import shard_layout
 
     out = Path(output)
     ckpt, _ = open_source(str(source), options)
-    src = ckpt.root
     plan = build_plan(ckpt)
     devices = resolve_devices(options.device, options.workers)
-    manifest: dict[str, Any] = {"shards": {}}
-    if out.exists():
-        manifest = _prepare_output_readonly(src, out, plan, options)
+    manifest = _check_output(ckpt.root, out, plan, options)[0] or {"shards": {}}
     info = describe(plan)
     shards, needed = [], 0
     for shard in plan.shards:
-        header, spans = shard_layout(shard.specs)
-        size = len(header) + sum(n for _, n in spans.values())
         done = out.exists() and _shard_done(out, manifest, ckpt, shard)
-        needed += 0 if done else size
-        shards.append({"file": shard.file, "source_bytes": shard.source_bytes, "output_file_bytes": size,
+        needed += 0 if done else shard.file_bytes
+        shards.append({"file": shard.file, "source_bytes": shard.source_bytes, "output_file_bytes": shard.file_bytes,
                        "status": "done" if done else "to convert"})
     probe = out if out.exists() else next(p for p in out.absolute().parents if p.exists())
     info.update(shards_plan=shards, output_dir=str(out), needed_bytes=needed,
                 free_bytes=shutil.disk_usage(probe).free, devices=devices)
     return info
-
-
-def _prepare_output_readonly(src: Path, out: Path, plan: Plan, options: ConvertOptions) -> dict[str, Any]:
-    """The same refusals as a real run, without touching the directory."""
-    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
-        raise OutputError(f"{out}: output must not be the source directory or inside it; choose another -o")
-    if not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a directory")
-    if not any(out.iterdir()):
-        return {"shards": {}}
-    path = out / MANIFEST_NAME
-    if not path.is_file():
-        raise OutputError(f"{out}: exists, is not empty and was not made by chordq; choose an empty or new -o directory")
-    manifest = json.loads(path.read_text())
-    if manifest.get("options") != options.fingerprint() and not options.overwrite:
-        raise OutputError(f"{out}: made by chordq with other options ({manifest.get('options')}); rerun with the same options or pass --overwrite")
-    return manifest if not options.overwrite else {"shards": {}}

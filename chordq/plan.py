@@ -22,7 +22,7 @@ from .models import (
 from .quant import GROUP_SIZE
 from .shards import Checkpoint, TensorInfo
 from .sources import SourceFormat, detect_format, fp8_scale_name
-from .writer import TensorSpec
+from .writer import TensorSpec, shard_file_size, tensor_bytes
 
 __all__ = ["JobKind", "Job", "ShardPlan", "Plan", "build_plan", "output_config"]
 
@@ -56,9 +56,13 @@ class ShardPlan:
 
     @property
     def output_bytes(self) -> int:
-        from .writer import _nbytes
+        """Tensor bytes of the output shard (its share of the index's ``total_size``)."""
+        return tensor_bytes(self.specs)
 
-        return sum(_nbytes(d, s) for _, d, s in self.specs)
+    @property
+    def file_bytes(self) -> int:
+        """Exact size of the output shard file, header included."""
+        return shard_file_size(self.specs)
 
 
 @dataclasses.dataclass

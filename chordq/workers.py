@@ -20,10 +20,9 @@ import torch
 
 from .errors import InputError, OutputError
 from .pipeline import ShardResult, convert_shard
-from .plan import Plan, ShardPlan
+from .plan import ShardPlan
 from .quant import Method
 from .shards import Checkpoint, open_checkpoint
-from .writer import shard_layout
 
 __all__ = ["resolve_devices", "run_shards", "check_disk_space", "peak_rss_bytes"]
 
@@ -52,12 +51,9 @@ def peak_rss_bytes() -> int:
     return max(own, children) * 1024
 
 
-def check_disk_space(out: Path, plan: Plan, todo: list[ShardPlan]) -> None:
+def check_disk_space(out: Path, todo: list[ShardPlan]) -> None:
     """Refuse to start when the remaining output (exact shard file sizes) cannot fit."""
-    needed = 0
-    for shard in todo:
-        header, spans = shard_layout(shard.specs)
-        needed += len(header) + sum(n for _, n in spans.values())
+    needed = sum(shard.file_bytes for shard in todo)
     free = shutil.disk_usage(out).free
     if needed > free:
         raise OutputError(

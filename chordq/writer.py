@@ -19,7 +19,15 @@ import torch
 from .errors import OutputError
 from .shards import DTYPE_NAMES, DTYPES
 
-__all__ = ["TensorSpec", "ShardWriter", "atomic_write_text", "write_json", "TMP_SUFFIX"]
+__all__ = [
+    "TensorSpec",
+    "ShardWriter",
+    "shard_file_size",
+    "tensor_bytes",
+    "atomic_write_text",
+    "write_json",
+    "TMP_SUFFIX",
+]
 
 TMP_SUFFIX = ".chordq-tmp"
 
@@ -56,6 +64,17 @@ def shard_layout(specs: Iterable[TensorSpec]) -> tuple[bytes, dict[str, tuple[in
     return prefix, {k: (len(prefix) + o, n) for k, (o, n) in spans.items()}
 
 
+def shard_file_size(specs: Iterable[TensorSpec]) -> int:
+    """Exact size in bytes of the safetensors file holding ``specs``."""
+    header, spans = shard_layout(specs)
+    return len(header) + sum(n for _, n in spans.values())
+
+
+def tensor_bytes(specs: Iterable[TensorSpec]) -> int:
+    """Bytes of tensor data (what an index's ``total_size`` counts)."""
+    return sum(_nbytes(dtype, shape) for _, dtype, shape in specs)
+
+
 class ShardWriter:
     """Write one safetensors file whose tensors are known up front; tensors arrive in any order."""
 
@@ -65,7 +84,6 @@ class ShardWriter:
         self.specs = {name: (dtype, tuple(shape)) for name, dtype, shape in specs}
         header, self.spans = shard_layout(specs)
         self.size = len(header) + sum(n for _, n in self.spans.values())
-        self.data_bytes = self.size - len(header)
         self.pending = set(self.specs)
         self.partial: dict[str, int] = {}
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
