@@ -69,6 +69,15 @@ and columns are packed two per byte, even column in the low nibble:
 ``byte[e, row, b] = col[2b] | col[2b + 1] << 4``. Because ``k6`` lands on column bit 6 and
 nowhere else, BK64 and BK128 give identical bytes whenever ``K % 128 == 0``.
 
+chordq's fragment order, ``fragment_order(words)`` (the Triton kernels' ``k_order="fragments"``):
+int32, same shape ``[..., K/8]`` as the checkpoint words; scales unchanged. Codes move only
+inside their own group of 32 (so word ``w`` still belongs to group ``w // 4``): nibble
+``j + 4 h`` of word ``4 g + t`` holds checkpoint ``k = 32 g + 16 (j // 2) + 8 (j % 2) + 2 t + h``
+(``t, j in 0..3``, ``h in 0..1``). Nibbles ``j`` and ``j + 4`` are then ``k`` and ``k + 1``, and
+the 8 codes of one word are exactly what one thread holds of a BF16 tensor-core A fragment
+(k16 columns ``2t, 2t+1, 2t+8, 2t+9`` of two consecutive k16 chunks), so a word dequantizes
+in place into the registers the MMA reads. Requires ``K % 32 == 0``.
+
 Grouped scale, ``chord_grouped_scale(scale)``: the plain transpose ``[E, K/32, N]`` (N
 contiguous), no 8 x 8 permutation. Requires ``N % 64 == 0``.
 """
@@ -94,6 +103,8 @@ __all__ = [
     "chord_grouped_weight_inverse",
     "chord_grouped_scale",
     "chord_grouped_scale_inverse",
+    "fragment_order",
+    "fragment_order_inverse",
 ]
 
 PACK_FACTOR = 8  # int4 codes per int32 word
@@ -396,3 +407,29 @@ def chord_grouped_scale_inverse(packed_scale: torch.Tensor) -> torch.Tensor:
     _check_scale_n(s.shape[2], 64, "chord_grouped_scale_inverse")
     out = s.transpose(1, 2).contiguous()
     return out.squeeze(0) if squeeze else out
+
+
+def _fragment_source() -> torch.Tensor:
+    """int64 ``[32]``: group-local checkpoint k of fragment nibble ``8 t + (j + 4 h)``."""
+    t, h, j = torch.meshgrid(torch.arange(4), torch.arange(2), torch.arange(4), indexing="ij")
+    return (16 * (j // 2) + 8 * (j % 2) + 2 * t + h).reshape(32)
+
+
+def fragment_order(words: torch.Tensor) -> torch.Tensor:
+    """Checkpoint words ``[..., K/8]`` -> the same codes in fragment order (docstring above)."""
+    codes = _group_codes(words)
+    return pack_codes(codes[..., _fragment_source().to(words.device)].flatten(-2))
+
+
+def fragment_order_inverse(words: torch.Tensor) -> torch.Tensor:
+    """Exact inverse of :func:`fragment_order`."""
+    codes = _group_codes(words)
+    inverse = torch.argsort(_fragment_source()).to(words.device)
+    return pack_codes(codes[..., inverse].flatten(-2))
+
+
+def _group_codes(words: torch.Tensor) -> torch.Tensor:
+    if words.shape[-1] % 4:
+        raise ValueError(f"K={8 * words.shape[-1]} is not a multiple of 32")
+    codes = unpack_codes(words)
+    return codes.reshape(*codes.shape[:-1], codes.shape[-1] // 32, 32)

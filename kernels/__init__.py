@@ -35,11 +35,13 @@ from .reference import (
 # name -> submodule, resolved by __getattr__ on first access.
 _LAZY = {
     "moe_gemm_indexed_triton": "triton_w4a16",
+    "indexed_config": "triton_w4a16",
     "grouped_gemm_contiguous_triton": "triton_w4a16",
     "grouped_gemm_masked_triton": "triton_w4a16",
     "moe_sum_triton": "triton_moe_sum",
     "W4A16Config": "triton_config",
     "choose_config": "triton_config",
+    "choose_split_k": "triton_config",
     "run_benchmark": "bench",
 }
 

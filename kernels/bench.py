@@ -38,15 +38,15 @@ MAX_COS_DIFF = 1e-3
 DEVICE = "cuda"
 GRAPH_CALLS = 20
 
-# Alternative tiles for sweep=True: (block_n, block_k, num_warps, num_stages, plane_major) per
+# Alternative tiles for sweep=True: (block_n, block_k, num_warps, num_stages, k_order) per
 # regime; block_n is per half for gate_up (silu_mul reads two weight row sets).
-_SWEEP_DECODE = [(64, 128, 4, 4, True), (128, 128, 4, 4, True), (128, 128, 4, 4, False),
-                 (64, 256, 4, 4, True), (128, 256, 8, 3, True), (256, 128, 8, 3, True),
-                 (128, 64, 4, 6, True), (64, 128, 4, 6, True), (64, 256, 4, 3, True),
-                 (128, 256, 4, 3, True), (32, 256, 4, 4, True), (64, 512, 8, 3, True)]
-_SWEEP_PREFILL = [(64, 64, 4, 4, False), (128, 64, 4, 4, False), (128, 64, 8, 3, False),
-                  (64, 64, 8, 3, False), (256, 64, 8, 3, False), (128, 32, 8, 4, False),
-                  (128, 64, 8, 3, True)]
+_SWEEP_DECODE = [(64, 128, 4, 4, "planes"), (128, 128, 4, 4, "planes"), (128, 128, 4, 4, "natural"),
+                 (64, 256, 4, 4, "planes"), (128, 256, 8, 3, "planes"), (256, 128, 8, 3, "planes"),
+                 (128, 64, 4, 6, "planes"), (64, 128, 4, 6, "planes"), (64, 256, 4, 3, "planes"),
+                 (128, 256, 4, 3, "planes"), (32, 256, 4, 4, "planes"), (64, 512, 8, 3, "planes")]
+_SWEEP_PREFILL = [(64, 64, 4, 4, "natural"), (128, 64, 4, 4, "natural"), (128, 64, 8, 3, "natural"),
+                  (64, 64, 8, 3, "natural"), (256, 64, 8, 3, "natural"), (128, 32, 8, 4, "natural"),
+                  (128, 64, 8, 3, "planes")]
 
 
 def _projections() -> dict[str, dict]:
@@ -126,8 +126,8 @@ def _candidates(proj: str, rows_per_expert: float, sweep: bool) -> list:
     block_ms = [base.block_m] if base.block_m <= 32 else sorted({64, 128, base.block_m})
     cands = [base]
     for bm in block_ms:
-        for bn, bk, warps, stages, plane_major in table:
-            cfg = W4A16Config(bm, bn, bk, warps, stages, plane_major)
+        for bn, bk, warps, stages, k_order in table:
+            cfg = W4A16Config(bm, bn, bk, warps, stages, k_order)
             if cfg not in cands and p["k"] % bk == 0:
                 cands.append(cfg)
     return cands
@@ -188,7 +188,7 @@ def _bench_shape(proj: str, topk_ids: torch.Tensor, weights, gen: torch.Generato
         "experts_touched": touched,
         "config": {"block_m": cfg.block_m, "block_n": cfg.block_n, "block_k": cfg.block_k,
                    "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                   "plane_major": cfg.plane_major},
+                   "k_order": cfg.k_order, "split_k": cfg.split_k, "label": cfg.label},
         "is_heuristic_config": best is heuristic,
         "heuristic_graph_us": heuristic["graph_us"],
         "cos_diff": best["cos_diff"], "ok": all(r["ok"] for r in results),
@@ -223,8 +223,7 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     ]
     for r in rows:
         c = r["config"]
-        cfg = (f"{c['block_m']},{c['block_n']},{c['block_k']},{c['num_warps']},{c['num_stages']}"
-               f"{',P' if c['plane_major'] else ''}")
+        cfg = c["label"]
         if not r["is_heuristic_config"]:
             cfg += f" (heuristic {r['heuristic_graph_us']:.1f} µs)"
         lines.append(

@@ -405,11 +405,6 @@ def describe_humming_config(cfg: dict) -> str:
     return text
 
 
-def describe_chordq_config(cfg: Any) -> str:
-    return (f"{cfg.block_m},{cfg.block_n},{cfg.block_k},{cfg.num_warps},{cfg.num_stages}"
-            f"{',P' if cfg.plane_major else ''}")
-
-
 # ------------------------------------------------------------------ timing (CUDA)
 
 
@@ -488,20 +483,25 @@ class Options:
     fused: bool = True
     check_routes: int = 2048
     seed: int = 0
+    w_order: str = "fragments"  # chordq's words: converted once, like Humming's transform()
 
 
 def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Tensor,
-                scales: torch.Tensor, humming: dict | None, opts: Options) -> dict[str, Any]:
+                scales: torch.Tensor, humming: dict | None, opts: Options,
+                chordq_words: torch.Tensor | None = None) -> dict[str, Any]:
     """Check, then time, chordq (and Humming when ``humming`` holds a layer) at one shape.
 
+    :param words: checkpoint-order words (Humming's input and the reference's)
     :param humming: ``{"layer": HummingLayer, "cfg_cache": {}}``, ``{"error": str}`` or None
+    :param chordq_words: the same codes in ``opts.w_order`` (default: ``words``)
     """
     from .align import moe_align_block_size
     from .reference import moe_gemm_indexed_reference, silu_and_mul_reference
     from .triton_config import choose_config
-    from .triton_w4a16 import moe_gemm_indexed_triton
+    from .triton_w4a16 import indexed_config, moe_gemm_indexed_triton
 
     dev = words.device
+    chordq_words = words if chordq_words is None else chordq_words
     rows = TOP_K * tokens
     rows_per_expert = rows / p.num_experts
     touched = int(torch.unique(topk_ids).numel())
@@ -525,14 +525,20 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
         row[name] = res
         try:
             gated = act is not None
-            cfg = choose_config(rows_per_expert, p.n // 2 if gated else p.n, p.k, gated=gated)
-            aligned = moe_align_block_size(topk_ids, cfg.block_m, p.num_experts)
-            out = torch.empty(rows, p.n // 2 if gated else p.n, dtype=torch.bfloat16, device=dev)
-            res.update(config=describe_chordq_config(cfg), block_m=cfg.block_m)
+            n_out = p.n // 2 if gated else p.n
+            block_m = choose_config(rows_per_expert, n_out, p.k, gated=gated,
+                                    w_order=opts.w_order).block_m
+            aligned = moe_align_block_size(topk_ids, block_m, p.num_experts)
+            # The shipped path: config=None, so the wrapper's heuristic (and split-K) decide.
+            cfg = indexed_config(rows, p.num_experts, n_out, p.k, block_m, activation=act,
+                                 w_order=opts.w_order, device=dev)
+            out = torch.empty(rows, n_out, dtype=torch.bfloat16, device=dev)
+            res.update(config=cfg.label, block_m=cfg.block_m)
 
-            def fn(aligned=aligned, cfg=cfg, out=out, act=act):
-                return moe_gemm_indexed_triton(x, words, scales, *aligned, p.top_k, cfg.block_m,
-                                               activation=act, config=cfg, out=out)
+            def fn(aligned=aligned, block_m=block_m, out=out, act=act):
+                return moe_gemm_indexed_triton(x, chordq_words, scales, *aligned, p.top_k,
+                                               block_m, activation=act, out=out,
+                                               w_order=opts.w_order)
 
             t0 = time.perf_counter()
             fn()
@@ -667,9 +673,11 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         "GEMM to GEMM: both gate_up columns write 8T x 2I (chordq with activation=None). "
         "'chordq fused' is chordq's shipped gate_up with SiLU-and-mul fused (writes 8T x I; "
         "Humming's vLLM path adds a separate silu_and_mul launch). cos = cos_diff vs "
-        "chordq's PyTorch reference on the checked experts' rows. Tiles: chordq "
-        "BM,BN,BK,warps,stages(,P); Humming (block shape) mma x CTAs/SM (ws = warp-specialized, "
-        "sk = stream-K).",
+        "chordq's PyTorch reference on the checked experts' rows. chordq's words: "
+        f"{meta.get('w_order', 'checkpoint')} order (converted once, untimed, as Humming's "
+        "transform()). Tiles: chordq BM,BN,BK,warps,stages (P planes / Q pairs / F fragments "
+        "K order, S split-K, R register cap); Humming (block shape) mma x CTAs/SM "
+        "(ws = warp-specialized, sk = stream-K).",
         "",
         "| layout | T | proj | experts | chordq tile | Humming tile | cos chordq / Humming "
         "| chordq graph µs | Humming graph µs | ratio graph | chordq do_bench µs "
@@ -806,12 +814,16 @@ def run_comparison(
     else:
         meta["humming"] = {"error": "not requested"}
 
+    from chordq.layout import fragment_order
+
     rows: list[dict] = []
     for li, layout in enumerate(layouts):
         problems = LAYOUTS[layout]
-        weights, layers = {}, {}
+        weights, layers, chordq_words = {}, {}, {}
         for pi, p in enumerate(problems):
             weights[p] = make_weights(p, opts.seed * 100 + 10 * li + pi, device)
+            chordq_words[p] = (fragment_order(weights[p][0]) if opts.w_order == "fragments"
+                               else weights[p][0])
             lv = levels_present(weights[p][0])
             _log(f"{p.key}: words {tuple(weights[p][0].shape)}, {lv} code levels present")
             if not against_humming:
@@ -840,7 +852,8 @@ def run_comparison(
                                     routing_seed(opts.seed, layout, t)).to(device)
             for p in problems:
                 try:
-                    row = bench_shape(p, t, topk_ids, *weights[p], layers[p], opts)
+                    row = bench_shape(p, t, topk_ids, *weights[p], layers[p], opts,
+                                      chordq_words[p])
                 except Exception as exc:  # noqa: BLE001 - keep going with the next shape
                     row = {"layout": layout, "tokens": t, "projection": p.proj,
                            "experts_touched": 0, **floor_model(p, t, 0),
@@ -850,7 +863,7 @@ def run_comparison(
                 rows.append(row)
                 _log(_row_line(row))
                 _write(out, rows, meta)
-        del weights, layers
+        del weights, layers, chordq_words
         if device == "cuda":
             torch.cuda.empty_cache()
     meta["gpu_state_after"] = _gpu_state()

@@ -62,6 +62,7 @@ def fused_moe(
     topk_ids: torch.Tensor,
     *,
     impl: str = "auto",
+    w_order: str = "checkpoint",
 ) -> torch.Tensor:
     """``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over each token's routed experts.
 
@@ -75,18 +76,28 @@ def fused_moe(
         otherwise). ``"triton"`` on CPU tensors runs Triton's interpreter, which needs
         ``TRITON_INTERPRET=1`` set before the Triton kernels are first imported; it raises
         otherwise.
+    :param w_order: ``"checkpoint"`` (words as chordq writes them) or ``"fragments"``: both
+        packed weights converted once with ``chordq.layout.fragment_order``, the Triton
+        kernels' fast path (the reference converts them back)
     :returns: BF16 ``[M, H]``
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if w_order not in ("checkpoint", "fragments"):
+        raise ValueError(f"w_order must be 'checkpoint' or 'fragments', got {w_order!r}")
     _check_inputs(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
     if impl == "auto":
         impl = "triton" if hidden_states.is_cuda else "reference"
     if impl == "reference":
+        if w_order == "fragments":
+            from chordq.layout import fragment_order_inverse
+
+            w13_packed = fragment_order_inverse(w13_packed)
+            w2_packed = fragment_order_inverse(w2_packed)
         return fused_moe_reference(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale,
                                    topk_weights, topk_ids)
     return _fused_moe_triton(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale,
-                             topk_weights, topk_ids)
+                             topk_weights, topk_ids, w_order)
 
 
 def _fused_moe_triton(
@@ -97,6 +108,7 @@ def _fused_moe_triton(
     w2_scale: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w_order: str,
 ) -> torch.Tensor:
     # Imported here so the reference path works where Triton is not installed.
     from .triton_config import choose_config
@@ -107,14 +119,14 @@ def _fused_moe_triton(
     e, two_i, _ = w13_packed.shape
     top_k = topk_ids.shape[1]
     rows_per_expert = m * top_k / e
-    # One alignment serves both GEMMs, so both use the gate_up config's block_m.
-    interpret = x.device.type == "cpu"
-    gate_up_cfg = choose_config(rows_per_expert, two_i // 2, h, gated=True, interpret=interpret)
-    block_m = gate_up_cfg.block_m
-    down_cfg = choose_config(rows_per_expert, h, two_i // 2, block_m=block_m, interpret=interpret)
+    # One alignment serves both GEMMs: its block is the gate_up tile's row count, and the
+    # wrappers' own heuristic (same shapes, so the same tiles, plus split-K for thin grids)
+    # picks the rest.
+    block_m = choose_config(rows_per_expert, two_i // 2, h, gated=True, w_order=w_order,
+                            interpret=x.device.type == "cpu").block_m
     sorted_ids, expert_ids, ntp = moe_align_block_size(topk_ids, block_m, e)
     act = moe_gemm_indexed_triton(x, w13_packed, w13_scale, sorted_ids, expert_ids, ntp, top_k,
-                                  block_m, activation="silu_mul", config=gate_up_cfg)
+                                  block_m, activation="silu_mul", w_order=w_order)
     y = moe_gemm_indexed_triton(act, w2_packed, w2_scale, sorted_ids, expert_ids, ntp, 1,
-                                block_m, config=down_cfg)
+                                block_m, w_order=w_order)
     return moe_sum_triton(y, topk_weights, topk_ids.to(torch.int32))

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["W4A16Config", "choose_config"]
+__all__ = ["W4A16Config", "choose_config", "choose_split_k"]
 
 GROUP_SIZE = 32
+K_ORDERS = ("natural", "planes", "pairs", "fragments")
+W_ORDERS = ("checkpoint", "fragments")  # how the packed words are laid out along K
 
 
 def _is_pow2(x: int) -> bool:
@@ -29,9 +31,15 @@ class W4A16Config:
     :param block_n: output features per tile (with ``silu_mul``: per half, so the tile reads
         ``2 * block_n`` weight rows). Power of two >= 16.
     :param block_k: reduction step; power of two >= 32 (whole scale groups) dividing K.
-    :param plane_major: visit each K tile in nibble-plane-major order (``_w4a16_tile``): the
-        weight goes to the tensor cores without a shared-memory round trip, the X tile is
-        permuted instead. For small row tiles with block_k >= 64.
+    :param k_order: the order each K tile is visited in (``triton_w4a16._w4a16_tile``):
+        ``"natural"``; ``"planes"`` (nibble-plane-major: the dequantized weight goes to the
+        tensor cores without a shared-memory round trip, the X tile is permuted instead);
+        ``"pairs"`` (planes whose two BF16 halves of a register are nibbles j and j + 4 of one
+        word: dequantized two weights per instruction by inline PTX on the GPU).
+    :param split_k: split the K steps over this many programs per output tile (indexed path):
+        FP32 partials, then a reduce kernel. For grids too thin to fill the GPU.
+    :param max_registers: cap on registers per thread (Triton's ``maxnreg``), to fit more CTAs
+        per SM; None lets the compiler choose.
     """
 
     block_m: int = 16
@@ -39,9 +47,24 @@ class W4A16Config:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
-    plane_major: bool = False
+    k_order: str = "natural"
+    split_k: int = 1
+    max_registers: int | None = None
+
+    @property
+    def label(self) -> str:
+        """``BM,BN,BK,warps,stages`` plus ``,P`` (planes) / ``,Q`` (pairs) / ``,S<split>``."""
+        tag = {"natural": "", "planes": ",P", "pairs": ",Q", "fragments": ",F"}[self.k_order]
+        split = f",S{self.split_k}" if self.split_k > 1 else ""
+        regs = f",R{self.max_registers}" if self.max_registers else ""
+        return (f"{self.block_m},{self.block_n},{self.block_k},{self.num_warps},"
+                f"{self.num_stages}{tag}{split}{regs}")
 
     def __post_init__(self) -> None:
+        if self.k_order not in K_ORDERS:
+            raise ValueError(f"k_order must be one of {K_ORDERS}, got {self.k_order!r}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
         if not (_is_pow2(self.block_m) and 16 <= self.block_m <= 128):
             raise ValueError(f"block_m must be a power of two in [16, 128], got {self.block_m}")
         if not (_is_pow2(self.block_n) and self.block_n >= 16):
@@ -75,6 +98,7 @@ def choose_config(
     *,
     gated: bool = False,
     block_m: int | None = None,
+    w_order: str = "checkpoint",
     interpret: bool = False,
 ) -> W4A16Config:
     """Pick a config from the problem shape.
@@ -84,33 +108,58 @@ def choose_config(
     :param k: reduction size, a multiple of 32
     :param gated: the tile computes gate and up halves (two weight tiles per K step)
     :param block_m: force the row tile (e.g. to reuse one ``moe_align_block_size`` result)
+    :param w_order: ``"checkpoint"`` (words as written) or ``"fragments"``
+        (``chordq.layout.fragment_order``, the fast path); decides ``k_order``
     :param interpret: for Triton's CPU interpreter (CPU tensors), which pays per operation
         more than per element: big tiles, one stage
 
-    Decode (few rows per expert) is weight-bandwidth bound: the smallest row tile, wide
-    ``block_n * block_k`` weight tiles and 4 stages keep bytes in flight. Prefill is compute
-    bound: row tiles sized to the rows per expert, shallower K steps to fit the stages.
+    Decode (few rows per expert) is weight-bandwidth bound and, on the H200, close to
+    instruction-issue bound: the smallest row tile, 256-deep K steps (128-byte weight rows per
+    load), 3 stages, and enough CTAs per SM (a register cap where it fits 4). Prefill is compute
+    bound: 128-row tiles, which amortize the dequantization over the most tokens.
     """
     if k % GROUP_SIZE:
         raise ValueError(f"K={k} is not a multiple of the group size {GROUP_SIZE}")
+    if w_order not in W_ORDERS:
+        raise ValueError(f"w_order must be one of {W_ORDERS}, got {w_order!r}")
     bm = _block_m_for(rows_per_expert) if block_m is None else block_m
     max_bn = max(16, _next_pow2(n))
+    fragments = w_order == "fragments"
     if interpret:
         bk = _largest_dividing(k, 512)
-        return W4A16Config(bm, min(256, max_bn), bk, 4, 1, plane_major=bk >= 64)
-    bn = min(64 if gated else 128, max_bn)  # gated tiles read two weight row sets
-    # Tiles below were picked from `scripts/bench_kernels.py --sweep` on the H200 (2026-12-02,
-    # docs/performance.md): 256-deep K steps (128-byte weight rows per load) win for gated
-    # decode and for 32-row tiles; gated prefill prefers 4 warps and 4 stages.
+        order = "fragments" if fragments else ("pairs" if bk >= 64 else "natural")
+        return W4A16Config(bm, min(256, max_bn), bk, 4, 1, k_order=order)
+    # Tiles below were picked from sweeps on the H200 (2026-12-02, docs/kernel_notes.md).
     if bm <= 32:
-        if gated or bm == 32:
-            bk = _largest_dividing(k, 256)
-            wide = gated and bm == 16 and rows_per_expert >= 1
-            stages = 4 if gated and bm == 16 and not wide else 3
-            return W4A16Config(bm, min(128, max_bn) if wide else bn, bk, num_warps=4,
-                               num_stages=stages, plane_major=bk >= 64)
-        bk = _largest_dividing(k, 128)
-        return W4A16Config(bm, bn, bk, num_warps=4, num_stages=4, plane_major=bk >= 64)
+        order = "fragments" if fragments else "pairs"
+        bk = _largest_dividing(k, 256)
+        if gated:
+            bn = 128 if bm == 16 else 64
+            return W4A16Config(bm, min(bn, max_bn), bk, 4, 3, k_order=order)
+        if bm == 32:
+            return W4A16Config(bm, min(128, max_bn), bk, 4, 3, k_order=order)
+        if fragments:  # 128 registers: 4 CTAs per SM instead of 3
+            return W4A16Config(bm, min(64, max_bn), bk, 4, 3, k_order=order, max_registers=128)
+        return W4A16Config(bm, min(64, max_bn), bk, 4, 4, k_order=order)
+    if not fragments:
+        bn = min(64 if gated else 128, max_bn)
+        if bm == 64 or gated:
+            return W4A16Config(bm, bn, _largest_dividing(k, 64), num_warps=4, num_stages=4)
+        return W4A16Config(bm, bn, _largest_dividing(k, 64), num_warps=8, num_stages=3)
     if bm == 64 or gated:
-        return W4A16Config(bm, bn, _largest_dividing(k, 64), num_warps=4, num_stages=4)
-    return W4A16Config(bm, bn, _largest_dividing(k, 64), num_warps=8, num_stages=3)
+        return W4A16Config(bm, min(64 if gated else 128, max_bn), _largest_dividing(k, 64), 4, 4,
+                           k_order="fragments")
+    return W4A16Config(bm, min(256, max_bn), _largest_dividing(k, 128), 8, 3, k_order="fragments")
+
+
+def choose_split_k(cfg: W4A16Config, tiles: int, k: int, num_sms: int) -> int:
+    """Split-K factor for a grid of about ``tiles`` output tiles: enough programs for about three
+    per SM (decode tiles run 2-4 CTAs per SM), at least two K steps per split, at most 16."""
+    target = 3 * num_sms
+    if tiles <= 0 or tiles >= target:
+        return 1
+    steps = k // cfg.block_k
+    split = 1
+    while split < 16 and tiles * split < target and steps // (2 * split) >= 2:
+        split *= 2
+    return split

@@ -34,14 +34,17 @@ weight kept explicitly); on GPU the dot runs on BF16 tensor cores with FP32 accu
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .triton_config import GROUP_SIZE, W4A16Config, choose_config
+from .triton_config import GROUP_SIZE, K_ORDERS, W4A16Config, choose_config, choose_split_k
 
 __all__ = [
+    "indexed_config",
     "moe_gemm_indexed_triton",
     "grouped_gemm_contiguous_triton",
     "grouped_gemm_masked_triton",
@@ -118,12 +121,103 @@ def _dequant_tile(
     return tl.reshape(planes, (BLOCK_N, BLOCK_K))  # natural: column 8 * word + j
 
 
+
+# One word -> its 8 weights as four BF16 pairs (nibbles j and j + 4 in one 32-bit register):
+# mask-and-OR the nibbles into BF16 128.0's mantissa (lop3), subtract 136 (exact), multiply by
+# the group scale (the one rounding), two weights per instruction. $4/$5 are the word twice
+# (pack=2 passes one int32 per element), $6 is the scale pair {s, s}.
+_DEQUANT_PAIRS_ASM = tl.constexpr("""{
+.reg .b32 t1, t2, t3, c;
+shr.u32 t1, $4, 4;
+shr.u32 t2, $4, 8;
+shr.u32 t3, $4, 12;
+lop3.b32 $0, $4, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 $1, t1, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 $2, t2, 0x000f000f, 0x43004300, 0xea;
+lop3.b32 $3, t3, 0x000f000f, 0x43004300, 0xea;
+mov.b32 c, 0x43084308;
+sub.rn.bf16x2 $0, $0, c;
+sub.rn.bf16x2 $1, $1, c;
+sub.rn.bf16x2 $2, $2, c;
+sub.rn.bf16x2 $3, $3, c;
+mul.rn.bf16x2 $0, $0, $6;
+mul.rn.bf16x2 $1, $1, $6;
+mul.rn.bf16x2 $2, $2, $6;
+mul.rn.bf16x2 $3, $3, $6;
+}""")
+
+
+@triton.jit
+def _dequant_tile_pairs(
+    w_ptrs,  # int32 pointers [BLOCK_N, BLOCK_K/8]
+    s_ptrs,  # bf16 pointers [BLOCK_N, BLOCK_K/32]
+    n_mask,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FRAGMENTS: tl.constexpr,  # words in fragment order (see layout.to_fragment_order): natural K
+    COMPUTE_F32: tl.constexpr,
+):
+    """Load and dequantize one weight tile in *pair order*: tile column ``(j * W + w) * 2 + h``
+    holds ``k = 8 w + j + 4 h`` (``W = BLOCK_K / 8``, nibble ``j + 4 h`` of word ``w``).
+
+    Adjacent columns are the two halves of one BF16x2 register, as the tensor-core operand
+    wants them, so the PTX above feeds the dot with no repacking: ~15 instructions per word
+    against ~35 for shift-mask-convert per nibble.
+    """
+    words = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
+    scales = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BLOCK_N, BLOCK_K // 32, 4)),
+                        (BLOCK_N, BLOCK_K // 8))
+    if COMPUTE_F32:
+        p0 = tl.join(_dequant_plane(words, 0, scales, 1), _dequant_plane(words, 16, scales, 1))
+        p1 = tl.join(_dequant_plane(words, 4, scales, 1), _dequant_plane(words, 20, scales, 1))
+        p2 = tl.join(_dequant_plane(words, 8, scales, 1), _dequant_plane(words, 24, scales, 1))
+        p3 = tl.join(_dequant_plane(words, 12, scales, 1), _dequant_plane(words, 28, scales, 1))
+    else:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            _DEQUANT_PAIRS_ASM, "=r,=r,=r,=r,r,r,r",
+            [tl.join(words, words), tl.join(scales, scales)],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+    pairs = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [BLOCK_N, w, h, j & 1, j >> 1]
+    if FRAGMENTS:  # word 4 g + t, pair j, half h: k = 32 g + 16 (j >> 1) + 8 (j & 1) + 2 t + h
+        tile = tl.permute(tl.reshape(pairs, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2)),
+                          (0, 1, 5, 4, 2, 3))
+    else:
+        tile = tl.permute(pairs, (0, 4, 3, 1, 2))
+    return tl.reshape(tile, (BLOCK_N, BLOCK_K))
+
+
 @triton.jit
 def _mma(w, x, acc, COMPUTE_F32: tl.constexpr):
     """``acc += w @ x``: BF16 tensor cores, or exact FP32 (never TF32) when COMPUTE_F32."""
     if COMPUTE_F32:
         return tl.dot(w, x, acc, input_precision="ieee")
     return tl.dot(w, x, acc)
+
+
+@triton.jit
+def _load_x(x_ptrs, row_mask, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_ORDER: tl.constexpr,
+            COMPUTE_F32: tl.constexpr):
+    """X^T tile ``[BLOCK_K, BLOCK_M]`` with its K rows in the weight tile's order."""
+    x = tl.load(x_ptrs, mask=row_mask[None, :], other=0.0)
+    if COMPUTE_F32:
+        x = x.to(tl.float32)
+    if K_ORDER == 1:  # planes: position j * W + w holds k = 8 w + j
+        x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_K // 8, 8, BLOCK_M)), (1, 0, 2)),
+                       (BLOCK_K, BLOCK_M))
+    elif K_ORDER == 2:  # pairs: position (j * W + w) * 2 + h holds k = 8 w + 4 h + j
+        x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_K // 8, 2, 4, BLOCK_M)), (2, 0, 1, 3)),
+                       (BLOCK_K, BLOCK_M))
+    return x
+
+
+@triton.jit
+def _load_w(w_ptrs, s_ptrs, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            K_ORDER: tl.constexpr, COMPUTE_F32: tl.constexpr):
+    if K_ORDER >= 2:
+        return _dequant_tile_pairs(w_ptrs, s_ptrs, n_mask, BLOCK_N, BLOCK_K, K_ORDER == 3,
+                                   COMPUTE_F32)
+    return _dequant_tile(w_ptrs, s_ptrs, n_mask, BLOCK_N, BLOCK_K, K_ORDER == 1, COMPUTE_F32)
 
 
 @triton.jit
@@ -136,62 +230,64 @@ def _w4a16_tile(
     expert,  # int64 expert of this tile
     offs_n,  # [BLOCK_N] output features of this tile
     N,  # output features (with GATED: the up rows start at N)
-    K,  # reduction size, a multiple of BLOCK_K
+    first_step,  # first K step (of BLOCK_K) of this tile's K range
+    num_steps,  # K steps in the range
     stride_xm,
     stride_we,
     stride_wn,
     stride_se,
     stride_sn,
-    GATED: tl.constexpr,  # compute silu(gate) * up
+    GATED: tl.constexpr,  # also compute the up half
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PLANE_MAJOR: tl.constexpr,  # run each K tile in nibble-plane-major order
+    K_ORDER: tl.constexpr,  # 0 natural, 1 planes, 2 pairs: the order a K tile is visited in
     COMPUTE_F32: tl.constexpr,
 ):
-    """FP32 ``C^T [BLOCK_N, BLOCK_M]`` of one (expert, row tile, column tile).
+    """FP32 ``C^T [BLOCK_N, BLOCK_M]`` of one (expert, row tile, column tile, K range), and the
+    up half's with GATED (else zeros).
 
     The reduction does not care in which order a tile's K columns are visited, as long as W and
-    X agree. PLANE_MAJOR visits column ``k = 8 * word + j`` at position ``j * BLOCK_K/8 + word``:
-    each thread then needs every nibble of the words it loads, so Triton builds the wgmma
-    register operand straight from the words (no shared-memory round trip of the dequantized
-    tile, ~1/3 fewer registers at decode tiles); the X tile is permuted instead, which is cheap
-    when it is small (BLOCK_M <= 32). Natural order is better for wide row tiles.
+    X agree, so the weight tile is visited in the order its dequantization produces cheaply and
+    the (small) X tile is permuted to match. Planes (K_ORDER 1): position ``j * W + w`` holds
+    ``k = 8 w + j``; every thread needs every nibble of the words it loads, so Triton builds the
+    wgmma register operand straight from the words. Pairs (K_ORDER 2, ``_dequant_tile_pairs``)
+    also puts the two weights of one BF16x2 register next to each other, so the dequantization
+    runs two weights per instruction. Natural order is for wide row tiles only.
     """
     n_mask = offs_n < N
+    k0 = first_step * BLOCK_K
     offs_k = tl.arange(0, BLOCK_K)
     offs_word = tl.arange(0, BLOCK_K // 8)
     offs_group = tl.arange(0, BLOCK_K // 32)
     rows_n = offs_n[:, None].to(tl.int64)
-    x_ptrs = x_ptr + a_rows[None, :] * stride_xm + offs_k[:, None]  # X^T tile [BLOCK_K, BLOCK_M]
-    w_ptrs = w_ptr + expert * stride_we + rows_n * stride_wn + offs_word[None, :]
-    s_ptrs = s_ptr + expert * stride_se + rows_n * stride_sn + offs_group[None, :]
+    x_ptrs = x_ptr + a_rows[None, :] * stride_xm + k0 + offs_k[:, None]  # X^T [BLOCK_K, BLOCK_M]
+    w_ptrs = w_ptr + expert * stride_we + rows_n * stride_wn + k0 // 8 + offs_word[None, :]
+    s_ptrs = s_ptr + expert * stride_se + rows_n * stride_sn + k0 // 32 + offs_group[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for _ in range(0, K // BLOCK_K):
-        x = tl.load(x_ptrs, mask=row_mask[None, :], other=0.0)
-        if COMPUTE_F32:
-            x = x.to(tl.float32)
-        if PLANE_MAJOR:
-            x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_K // 8, 8, BLOCK_M)), (1, 0, 2)),
-                           (BLOCK_K, BLOCK_M))
-        w = _dequant_tile(w_ptrs, s_ptrs, n_mask, BLOCK_N, BLOCK_K, PLANE_MAJOR, COMPUTE_F32)
+    for _ in range(0, num_steps):
+        x = _load_x(x_ptrs, row_mask, BLOCK_M, BLOCK_K, K_ORDER, COMPUTE_F32)
+        w = _load_w(w_ptrs, s_ptrs, n_mask, BLOCK_N, BLOCK_K, K_ORDER, COMPUTE_F32)
         acc = _mma(w, x, acc, COMPUTE_F32)
         if GATED:
-            w_up = _dequant_tile(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, n_mask,
-                                 BLOCK_N, BLOCK_K, PLANE_MAJOR, COMPUTE_F32)
+            w_up = _load_w(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, n_mask, BLOCK_N,
+                           BLOCK_K, K_ORDER, COMPUTE_F32)
             acc_up = _mma(w_up, x, acc_up, COMPUTE_F32)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 8
         s_ptrs += BLOCK_K // 32
-    if GATED:
-        # Round gate and up to BF16 as the unfused path would, then SiLU-and-mul in FP32.
-        if COMPUTE_F32:
-            gate, up = _bf16_nearest(acc), _bf16_nearest(acc_up)
-        else:
-            gate, up = acc.to(tl.bfloat16).to(tl.float32), acc_up.to(tl.bfloat16).to(tl.float32)
-        acc = gate * tl.sigmoid(gate) * up
-    return acc
+    return acc, acc_up
+
+
+@triton.jit
+def _silu_mul(acc, acc_up, COMPUTE_F32: tl.constexpr):
+    """SiLU(gate) * up in FP32, gate and up first rounded to BF16 as the unfused path would."""
+    if COMPUTE_F32:
+        gate, up = _bf16_nearest(acc), _bf16_nearest(acc_up)
+    else:
+        gate, up = acc.to(tl.bfloat16).to(tl.float32), acc_up.to(tl.bfloat16).to(tl.float32)
+    return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
@@ -202,18 +298,31 @@ def _store_tile(out_ptr, acc, out_rows, row_mask, offs_n, N, stride_om, COMPUTE_
 
 
 @triton.jit
+def _indexed_block(pid_m, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
+                   BLOCK_M: tl.constexpr):
+    """(expert, route ids, valid rows) of row block ``pid_m``; expert -1 when there is nothing
+    to do (past ``num_tokens_post_padded``, or an expert on another rank)."""
+    ntp = tl.load(ntp_ptr)  # blocks below it lie inside sorted_ids; pid_m < len(expert_ids)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    expert = tl.where(pid_m * BLOCK_M < ntp, expert, -1)
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    routes = tl.load(sorted_ids_ptr + offs, mask=offs < ntp, other=num_routes).to(tl.int64)
+    return expert, routes, routes < num_routes
+
+
+@triton.jit
 def _w4a16_indexed_kernel(
     x_ptr,  # bf16 [num_routes / TOP_K, K]
     w_ptr,  # int32 [E, N_w, K/8]
     s_ptr,  # bf16 [E, N_w, K/32]
-    out_ptr,  # bf16 [num_routes, N]
+    out_ptr,  # bf16 [num_routes, N]; with SPLIT_K > 1 fp32 partials [SPLIT_K, num_routes, N_w]
     sorted_ids_ptr,  # int32 [capacity] route ids per block, sentinel >= num_routes
     expert_ids_ptr,  # int32 [num_m_blocks] expert per block, -1 = not local
     ntp_ptr,  # int32 [1] num_tokens_post_padded
     num_routes,  # valid route ids are < num_routes
     N,
     K,
-    num_m_blocks,  # grid rows (capacity); blocks past ntp exit at once
+    num_m_blocks,  # grid rows; blocks past ntp exit at once
     stride_xm,
     stride_we,
     stride_wn,
@@ -225,24 +334,78 @@ def _w4a16_indexed_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PLANE_MAJOR: tl.constexpr,
+    K_ORDER: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # > 1: program_id(1) takes every SPLIT_K-th slice of the K steps
     COMPUTE_F32: tl.constexpr,
 ):
     # Row blocks vary fastest so the tiles sharing one weight tile run together (L2 reuse).
     pid = tl.program_id(0)
     pid_m = pid % num_m_blocks
     pid_n = pid // num_m_blocks
-    if pid_m * BLOCK_M >= tl.load(ntp_ptr):
-        return
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    expert, routes, row_mask = _indexed_block(pid_m, ntp_ptr, expert_ids_ptr, sorted_ids_ptr,
+                                              num_routes, BLOCK_M)
     if expert < 0:
-        return  # expert on another rank: rows left unwritten
-    routes = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_mask = routes < num_routes
+        return  # rows left unwritten
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _w4a16_tile(x_ptr, routes // TOP_K, row_mask, w_ptr, s_ptr, expert, offs_n, N, K,
-                      stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-                      GATED, BLOCK_M, BLOCK_N, BLOCK_K, PLANE_MAJOR, COMPUTE_F32)
+    steps = K // BLOCK_K
+    per_split = tl.cdiv(steps, SPLIT_K)
+    first = tl.program_id(1) * per_split
+    acc, acc_up = _w4a16_tile(x_ptr, routes // TOP_K, row_mask, w_ptr, s_ptr, expert, offs_n, N,
+                              first, tl.minimum(per_split, steps - first),
+                              stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                              GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, COMPUTE_F32)
+    if SPLIT_K == 1:
+        if GATED:
+            acc = _silu_mul(acc, acc_up, COMPUTE_F32)
+        _store_tile(out_ptr, acc, routes, row_mask, offs_n, N, stride_om, COMPUTE_F32)
+    else:  # FP32 partial sums, gate in columns [0, N), up in [N, 2N); the reduce kernel ends
+        part = out_ptr.to(tl.pointer_type(tl.float32)) + tl.program_id(1) * num_routes * stride_om
+        ptrs = part + routes[None, :] * stride_om + offs_n[:, None]
+        mask = row_mask[None, :] & (offs_n < N)[:, None]
+        tl.store(ptrs, acc, mask=mask)
+        if GATED:
+            tl.store(ptrs + N, acc_up, mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    part_ptr,  # fp32 [SPLIT_K, num_routes, N_w] partial sums
+    out_ptr,  # bf16 [num_routes, N]
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    ntp_ptr,
+    num_routes,
+    N,
+    num_m_blocks,
+    stride_pm,  # N_w
+    stride_om,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+):
+    """Sum the split-K partials in split order (deterministic) and finish like SPLIT_K == 1.
+    Same row blocks as the GEMM, so exactly the rows it owns are written."""
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    pid_n = pid // num_m_blocks
+    expert, routes, row_mask = _indexed_block(pid_m, ntp_ptr, expert_ids_ptr, sorted_ids_ptr,
+                                              num_routes, BLOCK_M)
+    if expert < 0:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = row_mask[None, :] & (offs_n < N)[:, None]
+    ptrs = part_ptr + routes[None, :] * stride_pm + offs_n[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, SPLIT_K):
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        if GATED:
+            acc_up += tl.load(ptrs + N, mask=mask, other=0.0)
+        ptrs += num_routes * stride_pm
+    if GATED:
+        acc = _silu_mul(acc, acc_up, COMPUTE_F32)
     _store_tile(out_ptr, acc, routes, row_mask, offs_n, N, stride_om, COMPUTE_F32)
 
 
@@ -267,7 +430,7 @@ def _w4a16_contiguous_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PLANE_MAJOR: tl.constexpr,
+    K_ORDER: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -282,9 +445,11 @@ def _w4a16_contiguous_kernel(
     row_mask = ids == expert
     rows = rows.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _w4a16_tile(x_ptr, rows, row_mask, w_ptr, s_ptr, expert, offs_n, N, K,
-                      stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-                      GATED, BLOCK_M, BLOCK_N, BLOCK_K, PLANE_MAJOR, COMPUTE_F32)
+    acc, acc_up = _w4a16_tile(x_ptr, rows, row_mask, w_ptr, s_ptr, expert, offs_n, N,
+                              0, K // BLOCK_K, stride_xm, stride_we, stride_wn, stride_se,
+                              stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, COMPUTE_F32)
+    if GATED:
+        acc = _silu_mul(acc, acc_up, COMPUTE_F32)
     _store_tile(out_ptr, acc, rows, row_mask, offs_n, N, stride_om, COMPUTE_F32)
 
 
@@ -309,7 +474,7 @@ def _w4a16_masked_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PLANE_MAJOR: tl.constexpr,
+    K_ORDER: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -325,9 +490,11 @@ def _w4a16_masked_kernel(
     row_mask = offs < count
     rows = group.to(tl.int64) * max_m + offs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _w4a16_tile(x_ptr, rows, row_mask, w_ptr, s_ptr, group.to(tl.int64), offs_n, N, K,
-                      stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-                      GATED, BLOCK_M, BLOCK_N, BLOCK_K, PLANE_MAJOR, COMPUTE_F32)
+    acc, acc_up = _w4a16_tile(x_ptr, rows, row_mask, w_ptr, s_ptr, group.to(tl.int64), offs_n,
+                              N, 0, K // BLOCK_K, stride_xm, stride_we, stride_wn, stride_se,
+                              stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, COMPUTE_F32)
+    if GATED:
+        acc = _silu_mul(acc, acc_up, COMPUTE_F32)
     _store_tile(out_ptr, acc, rows, row_mask, offs_n, N, stride_om, COMPUTE_F32)
 
 
@@ -381,10 +548,16 @@ def _gated(activation: str | None) -> bool:
 
 
 def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, k: int,
-                    gated: bool, x: torch.Tensor, block_m: int | None = None) -> W4A16Config:
+                    gated: bool, device: torch.device, w_order: str, block_m: int | None = None,
+                    split_k_ok: bool = False) -> W4A16Config:
     if config is None:
         return choose_config(rows_per_expert, n, k, gated=gated, block_m=block_m,
-                             interpret=x.device.type == "cpu")
+                             w_order=w_order, interpret=device.type == "cpu")
+    if config.split_k > 1 and not split_k_ok:
+        raise ValueError("split_k > 1 is implemented for the indexed path only")
+    if (config.k_order == "fragments") != (w_order == "fragments"):
+        raise ValueError(f"config.k_order={config.k_order!r} does not read w_order={w_order!r} "
+                         "words: k_order 'fragments' goes with w_order 'fragments' only")
     if block_m is not None and config.block_m != block_m:
         raise ValueError(f"config.block_m={config.block_m} differs from the alignment "
                          f"block {block_m}")
@@ -403,9 +576,50 @@ def _output(out: torch.Tensor | None, rows: int, n: int, like: torch.Tensor) -> 
 
 
 def _launch_args(cfg: W4A16Config, gated: bool) -> dict:
-    return dict(GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                PLANE_MAJOR=cfg.plane_major, COMPUTE_F32=_INTERPRETED,
+    args = dict(GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                K_ORDER=K_ORDERS.index(cfg.k_order), COMPUTE_F32=_INTERPRETED,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.max_registers and not _INTERPRETED:
+        args["maxnreg"] = cfg.max_registers
+    return args
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: pretend to be an H200 so CPU tests take the GPU's path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def indexed_config(
+    num_routes: int,
+    num_experts: int,
+    n: int,
+    k: int,
+    block_m: int,
+    *,
+    activation: str | None = None,
+    config: W4A16Config | None = None,
+    w_order: str = "checkpoint",
+    device: torch.device | str = "cuda",
+) -> W4A16Config:
+    """The config ``moe_gemm_indexed_triton`` launches with: ``config`` or the heuristic's,
+    with the split-K factor decided (heuristic only) and trimmed so that no split is empty.
+
+    :param n: output features (after ``silu_mul``: N_w / 2)
+    """
+    device = torch.device(device)
+    gated = _gated(activation)
+    cfg = _resolve_config(config, num_routes / num_experts, n, k, gated, device, w_order,
+                          block_m, split_k_ok=True)
+    split = cfg.split_k
+    if config is None:
+        n_tiles = triton.cdiv(n, cfg.block_n)
+        busy_blocks = min(num_routes, num_experts) * max(1, round(num_routes / num_experts
+                                                                  / cfg.block_m))
+        split = choose_split_k(cfg, busy_blocks * n_tiles, k, _num_sms(device))
+    steps = k // cfg.block_k
+    split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty split
+    return cfg if split == cfg.split_k else dataclasses.replace(cfg, split_k=split)
 
 
 def moe_gemm_indexed_triton(
@@ -422,6 +636,7 @@ def moe_gemm_indexed_triton(
     activation: str | None = None,
     config: W4A16Config | None = None,
     out: torch.Tensor | None = None,
+    w_order: str = "checkpoint",
 ) -> torch.Tensor:
     """Indexed W4A16 grouped GEMM over vLLM ``moe_align_block_size`` buffers.
 
@@ -435,6 +650,9 @@ def moe_gemm_indexed_triton(
     :param config: tile config (default: ``choose_config``); ``config.block_m == block_m``
     :param out: optional BF16 ``[num_routes, N]`` output; rows not routed to a local expert
         are left as they are
+    :param w_order: ``"checkpoint"`` (``w_packed`` as written by chordq) or ``"fragments"``
+        (``chordq.layout.fragment_order(w_packed)``, converted once at load time: the fast
+        path, ~10-20% faster at decode and prefill)
     :returns: BF16 ``[num_routes, N]``
     """
     gated = _gated(activation)
@@ -452,16 +670,34 @@ def moe_gemm_indexed_triton(
                          f"{sorted_token_ids.numel()} sorted_token_ids: wrong block_m?")
     num_routes = x.shape[0] * top_k if num_routes is None else num_routes
     k = x.shape[1]
-    cfg = _resolve_config(config, num_routes / w_packed.shape[0], n, k, gated, x, block_m)
     out = _output(out, num_routes, n, x)
-    grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
-    if grid[0] == 0:
+    # Every live block holds at least one route, so at most num_routes blocks are live: a
+    # tighter grid than the alignment's capacity, which is mostly padding when experts are many
+    # and tokens few (TP8 at T = 1: 8 live of ~360 blocks).
+    grid_m = min(num_m_blocks, num_routes)
+    cfg = indexed_config(num_routes, w_packed.shape[0], n, k, block_m, activation=activation,
+                         config=config, w_order=w_order, device=x.device)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    if grid_m * n_tiles == 0:
         return out
-    _w4a16_indexed_kernel[grid](
-        x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
-        num_routes, n, k, num_m_blocks,
-        x.stride(0), w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), TOP_K=top_k, **_launch_args(cfg, gated))
+    split = cfg.split_k
+    args = (num_routes, n, k, grid_m, x.stride(0), w_packed.stride(0), w_packed.stride(1),
+            w_scale.stride(0), w_scale.stride(1))
+    if split == 1:
+        _w4a16_indexed_kernel[(grid_m * n_tiles, 1)](
+            x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
+            *args, out.stride(0), TOP_K=top_k, SPLIT_K=1, **_launch_args(cfg, gated))
+        return out
+    n_w = w_packed.shape[1]
+    partials = torch.empty(split, num_routes, n_w, dtype=torch.float32, device=x.device)
+    _w4a16_indexed_kernel[(grid_m * n_tiles, split)](
+        x, w_packed, w_scale, partials, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        *args, n_w, TOP_K=top_k, SPLIT_K=split, **_launch_args(cfg, gated))
+    reduce_n = min(128, cfg.block_n)
+    _split_k_reduce_kernel[(grid_m * triton.cdiv(n, reduce_n),)](
+        partials, out, sorted_token_ids, expert_ids, num_tokens_post_padded, num_routes, n,
+        grid_m, n_w, out.stride(0), GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=reduce_n,
+        SPLIT_K=split, COMPUTE_F32=_INTERPRETED, num_warps=4)
     return out
 
 
@@ -474,12 +710,14 @@ def grouped_gemm_contiguous_triton(
     activation: str | None = None,
     config: W4A16Config | None = None,
     out: torch.Tensor | None = None,
+    w_order: str = "checkpoint",
 ) -> torch.Tensor:
     """Contiguous grouped W4A16 GEMM (DeepGEMM layout, format.md §5.2).
 
     :param x: BF16 ``[m, K]``; each expert's rows consecutive, segments aligned to 128 rows
         (more precisely: to ``config.block_m``, which divides 128)
     :param m_indices: int32 ``[m]`` expert per row, -1 for padding rows (left unwritten)
+    :param w_order: as for ``moe_gemm_indexed_triton``
     :returns: BF16 ``[m, N]`` (``N_w / 2`` with silu_mul)
     """
     gated = _gated(activation)
@@ -489,7 +727,7 @@ def grouped_gemm_contiguous_triton(
     if m_indices.dtype != torch.int32 or tuple(m_indices.shape) != (m,):
         raise ValueError(f"m_indices must be int32 [{m}], got {m_indices.dtype} "
                          f"{tuple(m_indices.shape)}")
-    cfg = _resolve_config(config, m / w_packed.shape[0], n, k, gated, x)
+    cfg = _resolve_config(config, m / w_packed.shape[0], n, k, gated, x.device, w_order)
     out = _output(out, m, n, x)
     num_m_blocks = triton.cdiv(m, cfg.block_m)
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)
@@ -512,12 +750,14 @@ def grouped_gemm_masked_triton(
     activation: str | None = None,
     config: W4A16Config | None = None,
     out: torch.Tensor | None = None,
+    w_order: str = "checkpoint",
 ) -> torch.Tensor:
     """Masked grouped W4A16 GEMM (DeepGEMM layout, format.md §5.2).
 
     :param x: BF16 ``[G, max_m, K]`` (or flat ``[G * max_m, K]``); group g uses expert g
     :param masked_m: int32 ``[G]`` valid rows per group (rows past it are left unwritten)
     :param expected_m: typical rows per group, only for the config heuristic (default max_m)
+    :param w_order: as for ``moe_gemm_indexed_triton``
     :returns: BF16 ``[G * max_m, N]`` (``N_w / 2`` with silu_mul)
     """
     gated = _gated(activation)
@@ -534,7 +774,8 @@ def grouped_gemm_masked_triton(
         raise ValueError(f"masked_m must be int32 [{g}], got {masked_m.dtype} "
                          f"{tuple(masked_m.shape)}")
     max_m, k = x.shape[0] // g, x.shape[1]
-    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, gated, x)
+    cfg = _resolve_config(config, max_m if expected_m is None else expected_m, n, k, gated,
+                          x.device, w_order)
     out = _output(out, g * max_m, n, x)
     num_m_blocks = g * triton.cdiv(max_m, cfg.block_m)
     grid = (num_m_blocks * triton.cdiv(n, cfg.block_n),)

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--max-minutes", type=float, default=None,
                      help="start no new shape after this many minutes")
     cmp.add_argument("--seed", type=int, default=0)
+    cmp.add_argument("--w-order", choices=("fragments", "checkpoint"), default="fragments",
+                     help="chordq's weight words: converted once to fragment order (the fast "
+                          "path, like Humming's transform) or as checkpointed (default: "
+                          "%(default)s)")
     return parser
 
 
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         opts = Options(reps=args.reps, calls=args.calls, do_bench=not args.no_do_bench,
                        do_bench_warmup=10 if args.quick else args.do_bench_warmup,
                        do_bench_rep=50 if args.quick else args.do_bench_rep,
-                       fused=not args.no_fused, check_routes=args.check_routes, seed=args.seed)
+                       fused=not args.no_fused, check_routes=args.check_routes, seed=args.seed,
+                       w_order=args.w_order)
         result = run_comparison(tuple(args.tokens or HUMMING_TOKENS), tuple(args.layouts),
                                 humming_wheel=args.humming_wheel, out_dir=args.out, opts=opts,
                                 max_minutes=args.max_minutes, humming_target=args.humming_target)

@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 
 from chordq.kernels import (  # noqa: E402
     W4A16Config,
+    choose_split_k,
     cos_diff,
     fused_moe,
     fused_moe_reference,
@@ -35,7 +36,7 @@ from chordq.kernels import (  # noqa: E402
     route,
     triton_w4a16,
 )
-from chordq.layout import pack_codes  # noqa: E402
+from chordq.layout import fragment_order, pack_codes  # noqa: E402
 
 # Chord's grouped-path limit (format.md §4.1); the interpreter lands near 1e-11.
 MAX_COS_DIFF = 1e-3
@@ -48,13 +49,32 @@ DEVICES = [
 ]
 # Tile shapes the GPU heuristic uses (decode / gated / prefill), exercised on small problems.
 GPU_CONFIGS = [
-    W4A16Config(16, 128, 128, 4, 4, plane_major=True),
-    W4A16Config(16, 64, 128, 4, 4, plane_major=True),
-    W4A16Config(32, 128, 64, 4, 4, plane_major=True),
-    W4A16Config(16, 128, 128, 4, 4, plane_major=False),
+    W4A16Config(16, 128, 128, 4, 4, k_order="planes"),
+    W4A16Config(16, 64, 128, 4, 4, k_order="planes"),
+    W4A16Config(32, 128, 64, 4, 4, k_order="planes"),
+    W4A16Config(16, 128, 128, 4, 4, k_order="natural"),
     W4A16Config(64, 128, 64, 4, 4),
     W4A16Config(128, 64, 64, 8, 3),
+    W4A16Config(16, 128, 128, 4, 4, k_order="pairs"),
+    W4A16Config(64, 128, 64, 8, 3, k_order="pairs"),
+    W4A16Config(16, 64, 256, 4, 4, k_order="fragments"),
+    W4A16Config(128, 128, 64, 8, 3, k_order="fragments"),
 ]
+# Split-K (indexed path only): FP32 partials + the reduce kernel; 2 and 3 splits of 4 K steps
+# (3 becomes 2 non-empty splits of 2 steps).
+SPLIT_CONFIGS = [
+    W4A16Config(16, 64, 64, 4, 3, k_order="pairs", split_k=2),
+    W4A16Config(16, 128, 64, 4, 3, k_order="planes", split_k=3),
+    W4A16Config(32, 64, 64, 4, 3, split_k=4),
+    W4A16Config(16, 64, 64, 4, 3, k_order="fragments", split_k=2),
+]
+
+
+def kernel_words(w: torch.Tensor, cfg: W4A16Config | None) -> dict:
+    """The words a config reads (fragment order for k_order="fragments") and their w_order."""
+    if cfg is not None and cfg.k_order == "fragments":
+        return {"w_packed": fragment_order(w), "w_order": "fragments"}
+    return {"w_packed": w}
 SENTINEL = 7.0  # written into `out` beforehand: rows a kernel does not own must keep it
 
 
@@ -134,11 +154,48 @@ def test_indexed_gpu_tile_shapes(device, cfg):
     sorted_ids, expert_ids, ntp = (t.to(device) for t in aligned)
     for activation, n_out in ((None, n), ("silu_mul", n // 2)):
         out = torch.full((m * top_k, n_out), SENTINEL, dtype=torch.bfloat16, device=device)
-        got = moe_gemm_indexed_triton(x, w, s, sorted_ids, expert_ids, ntp, top_k, cfg.block_m,
-                                      activation=activation, config=cfg, out=out)
+        got = moe_gemm_indexed_triton(x, w_scale=s, sorted_token_ids=sorted_ids,
+                                      expert_ids=expert_ids, num_tokens_post_padded=ntp,
+                                      top_k=top_k, block_m=cfg.block_m, activation=activation,
+                                      config=cfg, out=out, **kernel_words(w, cfg))
         want = moe_gemm_indexed_reference(x, w, s, sorted_ids, expert_ids, ntp, top_k,
                                           cfg.block_m, activation=activation)
         check_rows(got, want, torch.ones(m * top_k, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=str)
+@pytest.mark.parametrize("gated", [False, True])
+def test_indexed_split_k(device, cfg, gated):
+    """Split-K writes exactly the rows the unsplit kernel owns (sentinels, dropped routes and
+    experts on another rank stay unwritten) with the same values."""
+    m, top_k, e, n, k = 9, 4, 8, 128, 256
+    w, s = random_weights(e, n, k, device)
+    x = randn_bf16(m, k, device=device)
+    topk_ids = random_topk(m, top_k, e, drop=0.15)
+    expert_map = torch.arange(e, dtype=torch.int32)
+    expert_map[2] = -1
+    aligned = moe_align_block_size(topk_ids, cfg.block_m, e, expert_map)
+    sorted_ids, expert_ids, ntp = (t.to(device) for t in aligned)
+    activation = "silu_mul" if gated else None
+    out = torch.full((m * top_k, n // 2 if gated else n), SENTINEL, dtype=torch.bfloat16,
+                     device=device)
+    got = moe_gemm_indexed_triton(x, w_scale=s, sorted_token_ids=sorted_ids,
+                                  expert_ids=expert_ids, num_tokens_post_padded=ntp, top_k=top_k,
+                                  block_m=cfg.block_m, activation=activation, config=cfg, out=out,
+                                  **kernel_words(w, cfg))
+    want = moe_gemm_indexed_reference(x, w, s, sorted_ids, expert_ids, ntp, top_k, cfg.block_m,
+                                      activation=activation)
+    flat = topk_ids.reshape(-1)
+    check_rows(got, want, (flat >= 0) & (flat != 2))
+
+
+def test_split_k_heuristic_fills_thin_grids_only():
+    cfg = W4A16Config(16, 128, 256)
+    assert choose_split_k(cfg, tiles=8 * 32, k=7168, num_sms=132) == 2  # EP8 T=1 gate_up
+    assert choose_split_k(cfg, tiles=8 * 4, k=7168, num_sms=132) == 8  # TP8 T=1: K steps cap
+    assert choose_split_k(cfg, tiles=45 * 32, k=7168, num_sms=132) == 1  # T=20: full grid
+    assert choose_split_k(W4A16Config(16, 128, 128), tiles=8 * 56, k=256, num_sms=132) == 1
 
 
 # ----------------------------------------------------------------------------- grouped
@@ -162,8 +219,9 @@ def test_contiguous_matches_reference(device, cfg, gated):
     activation = "silu_mul" if gated else None
     out = torch.full((x.shape[0], n // 2 if gated else n), SENTINEL, dtype=torch.bfloat16,
                      device=device)
-    got = grouped_gemm_contiguous_triton(x, w, s, m_indices.to(device), activation=activation,
-                                         config=cfg, out=out)
+    got = grouped_gemm_contiguous_triton(x, w_scale=s, m_indices=m_indices.to(device),
+                                         activation=activation, config=cfg, out=out,
+                                         **kernel_words(w, cfg))
     want = grouped_gemm_contiguous_reference(x, w, s, m_indices.to(device), activation=activation)
     check_rows(got, want, m_indices >= 0)
 
@@ -224,6 +282,24 @@ def test_fused_moe_matches_reference(device, m, h, i, e, top_k, used):
     assert cos_diff(got.cpu(), want.cpu()) <= MAX_COS_DIFF
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_moe_fragment_order(device):
+    """The fast path: weights converted once to fragment order give the same MoE."""
+    m, h, i, e, top_k = 9, 256, 128, 8, 2
+    w13, s13 = random_weights(e, 2 * i, h, device, seed=3)
+    w2, s2 = random_weights(e, h, i, device, seed=4)
+    x = randn_bf16(m, h, device=device)
+    topk_weights, topk_ids = route(torch.randn(m, e), torch.zeros(e), top_k, 1.0)
+    routing = (topk_weights.to(device), topk_ids.to(device))
+    want = fused_moe_reference(x, w13, s13, w2, s2, *routing)
+    frag = (x, fragment_order(w13), s13, fragment_order(w2), s2, *routing)
+    got = fused_moe(*frag, impl="triton", w_order="fragments")
+    assert cos_diff(got.cpu(), want.cpu()) <= MAX_COS_DIFF
+    assert torch.equal(fused_moe(*frag, impl="reference", w_order="fragments"), want)
+    with pytest.raises(ValueError, match="w_order"):
+        fused_moe(*frag, w_order="marlin")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA")
 def test_indexed_is_cuda_graph_capturable():
@@ -270,3 +346,10 @@ def test_wrapper_rejects_bad_operands(device):
         grouped_gemm_contiguous_triton(x, w, s, ids, activation="gelu")
     with pytest.raises(ValueError, match="block_m"):
         W4A16Config(block_m=8)
+    with pytest.raises(ValueError, match="k_order"):
+        W4A16Config(k_order="zigzag")
+    with pytest.raises(ValueError, match="w_order"):
+        grouped_gemm_contiguous_triton(x, w, s, ids,
+                                       config=W4A16Config(16, 64, 64, k_order="fragments"))
+    with pytest.raises(ValueError, match="indexed path only"):
+        grouped_gemm_contiguous_triton(x, w, s, ids, config=W4A16Config(16, 64, 64, split_k=2))

@@ -6,7 +6,15 @@ import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
-from chordq.layout import expert_tensors, pack_codes, pack_int4, unpack_codes, unpack_int4
+from chordq.layout import (
+    expert_tensors,
+    fragment_order,
+    fragment_order_inverse,
+    pack_codes,
+    pack_int4,
+    unpack_codes,
+    unpack_int4,
+)
 
 
 def test_golden_words():
@@ -61,3 +69,26 @@ def test_expert_tensors():
     assert t["weight_packed"].shape == (64, 16) and t["weight_packed"].dtype == torch.int32
     assert t["weight_scale"].dtype == torch.bfloat16 and torch.equal(t["weight_scale"], s)
     assert t["weight_shape"].tolist() == [64, 128] and t["weight_shape"].dtype == torch.int64
+
+
+# ----------------------------------------------------------------------------- fragment order
+
+
+def test_fragment_order_golden_words():
+    # codes = k mod 16 over one row of two groups: word t of each group holds k = 2t, 2t + 8,
+    # 2t + 16, 2t + 24 (nibbles 0..3) and those + 1 (nibbles 4..7)
+    words = pack_codes(torch.arange(64).remainder(16).reshape(1, 64))
+    got = [w & 0xFFFFFFFF for w in fragment_order(words)[0].tolist()]
+    assert got == [0x91918080, 0xB3B3A2A2, 0xD5D5C4C4, 0xF7F7E6E6] * 2
+
+
+def test_fragment_order_round_trip_stays_in_group():
+    codes = torch.randint(0, 16, (3, 5, 96), generator=torch.Generator().manual_seed(0))
+    words = pack_codes(codes)
+    frag = fragment_order(words)
+    assert torch.equal(fragment_order_inverse(frag), words)
+    moved = unpack_codes(frag).reshape(3, 5, 3, 32)
+    before = codes.reshape(3, 5, 3, 32).to(torch.uint8)
+    assert torch.equal(moved.sort(-1).values, before.sort(-1).values)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fragment_order(words[..., :2])
