@@ -241,7 +241,8 @@ def _w4a16_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    K_ORDER: tl.constexpr,  # 0 natural, 1 planes, 2 pairs: the order a K tile is visited in
+    K_ORDER: tl.constexpr,  # 0 natural, 1 planes, 2 pairs, 3 fragments: K visiting order
+    EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no row masks on the weight loads
     COMPUTE_F32: tl.constexpr,
 ):
     """FP32 ``C^T [BLOCK_N, BLOCK_M]`` of one (expert, row tile, column tile, K range), and the
@@ -255,7 +256,10 @@ def _w4a16_tile(
     also puts the two weights of one BF16x2 register next to each other, so the dequantization
     runs two weights per instruction. Natural order is for wide row tiles only.
     """
-    n_mask = offs_n < N
+    if EVEN_N:  # an all-true mask: the compiler drops the load predicates
+        n_mask = tl.full([BLOCK_N], True, tl.int1)
+    else:
+        n_mask = offs_n < N
     k0 = first_step * BLOCK_K
     offs_k = tl.arange(0, BLOCK_K)
     offs_word = tl.arange(0, BLOCK_K // 8)
@@ -335,6 +339,7 @@ def _w4a16_indexed_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_ORDER: tl.constexpr,
+    EVEN_N: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1: program_id(1) takes every SPLIT_K-th slice of the K steps
     COMPUTE_F32: tl.constexpr,
 ):
@@ -353,7 +358,7 @@ def _w4a16_indexed_kernel(
     acc, acc_up = _w4a16_tile(x_ptr, routes // TOP_K, row_mask, w_ptr, s_ptr, expert, offs_n, N,
                               first, tl.minimum(per_split, steps - first),
                               stride_xm, stride_we, stride_wn, stride_se, stride_sn,
-                              GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, COMPUTE_F32)
+                              GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, EVEN_N, COMPUTE_F32)
     if SPLIT_K == 1:
         if GATED:
             acc = _silu_mul(acc, acc_up, COMPUTE_F32)
@@ -431,6 +436,7 @@ def _w4a16_contiguous_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_ORDER: tl.constexpr,
+    EVEN_N: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -447,7 +453,8 @@ def _w4a16_contiguous_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc, acc_up = _w4a16_tile(x_ptr, rows, row_mask, w_ptr, s_ptr, expert, offs_n, N,
                               0, K // BLOCK_K, stride_xm, stride_we, stride_wn, stride_se,
-                              stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, COMPUTE_F32)
+                              stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, EVEN_N,
+                              COMPUTE_F32)
     if GATED:
         acc = _silu_mul(acc, acc_up, COMPUTE_F32)
     _store_tile(out_ptr, acc, rows, row_mask, offs_n, N, stride_om, COMPUTE_F32)
@@ -475,6 +482,7 @@ def _w4a16_masked_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_ORDER: tl.constexpr,
+    EVEN_N: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -492,7 +500,8 @@ def _w4a16_masked_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc, acc_up = _w4a16_tile(x_ptr, rows, row_mask, w_ptr, s_ptr, group.to(tl.int64), offs_n,
                               N, 0, K // BLOCK_K, stride_xm, stride_we, stride_wn, stride_se,
-                              stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, COMPUTE_F32)
+                              stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, EVEN_N,
+                              COMPUTE_F32)
     if GATED:
         acc = _silu_mul(acc, acc_up, COMPUTE_F32)
     _store_tile(out_ptr, acc, rows, row_mask, offs_n, N, stride_om, COMPUTE_F32)
@@ -575,9 +584,10 @@ def _output(out: torch.Tensor | None, rows: int, n: int, like: torch.Tensor) -> 
     return out
 
 
-def _launch_args(cfg: W4A16Config, gated: bool) -> dict:
+def _launch_args(cfg: W4A16Config, gated: bool, n: int) -> dict:
     args = dict(GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                K_ORDER=K_ORDERS.index(cfg.k_order), COMPUTE_F32=_INTERPRETED,
+                K_ORDER=K_ORDERS.index(cfg.k_order), EVEN_N=n % cfg.block_n == 0,
+                COMPUTE_F32=_INTERPRETED,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers and not _INTERPRETED:
         args["maxnreg"] = cfg.max_registers
@@ -686,13 +696,13 @@ def moe_gemm_indexed_triton(
     if split == 1:
         _w4a16_indexed_kernel[(grid_m * n_tiles, 1)](
             x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
-            *args, out.stride(0), TOP_K=top_k, SPLIT_K=1, **_launch_args(cfg, gated))
+            *args, out.stride(0), TOP_K=top_k, SPLIT_K=1, **_launch_args(cfg, gated, n))
         return out
     n_w = w_packed.shape[1]
     partials = torch.empty(split, num_routes, n_w, dtype=torch.float32, device=x.device)
     _w4a16_indexed_kernel[(grid_m * n_tiles, split)](
         x, w_packed, w_scale, partials, sorted_token_ids, expert_ids, num_tokens_post_padded,
-        *args, n_w, TOP_K=top_k, SPLIT_K=split, **_launch_args(cfg, gated))
+        *args, n_w, TOP_K=top_k, SPLIT_K=split, **_launch_args(cfg, gated, n))
     reduce_n = min(128, cfg.block_n)
     _split_k_reduce_kernel[(grid_m * triton.cdiv(n, reduce_n),)](
         partials, out, sorted_token_ids, expert_ids, num_tokens_post_padded, num_routes, n,
@@ -736,7 +746,7 @@ def grouped_gemm_contiguous_triton(
     _w4a16_contiguous_kernel[grid](
         x, w_packed, w_scale, out, m_indices, m, n, k, num_m_blocks,
         x.stride(0), w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), **_launch_args(cfg, gated))
+        out.stride(0), **_launch_args(cfg, gated, n))
     return out
 
 
@@ -784,5 +794,5 @@ def grouped_gemm_masked_triton(
     _w4a16_masked_kernel[grid](
         x, w_packed, w_scale, out, masked_m, max_m, n, k, num_m_blocks,
         x.stride(0), w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), **_launch_args(cfg, gated))
+        out.stride(0), **_launch_args(cfg, gated, n))
     return out
