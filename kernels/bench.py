@@ -40,13 +40,14 @@ GRAPH_CALLS = 20
 
 # Alternative tiles for sweep=True: (block_n, block_k, num_warps, num_stages, k_order) per
 # regime; block_n is per half for gate_up (silu_mul reads two weight row sets).
-_SWEEP_DECODE = [(64, 128, 4, 4, "planes"), (128, 128, 4, 4, "planes"), (128, 128, 4, 4, "natural"),
-                 (64, 256, 4, 4, "planes"), (128, 256, 8, 3, "planes"), (256, 128, 8, 3, "planes"),
-                 (128, 64, 4, 6, "planes"), (64, 128, 4, 6, "planes"), (64, 256, 4, 3, "planes"),
-                 (128, 256, 4, 3, "planes"), (32, 256, 4, 4, "planes"), (64, 512, 8, 3, "planes")]
-_SWEEP_PREFILL = [(64, 64, 4, 4, "natural"), (128, 64, 4, 4, "natural"), (128, 64, 8, 3, "natural"),
-                  (64, 64, 8, 3, "natural"), (256, 64, 8, 3, "natural"), (128, 32, 8, 4, "natural"),
-                  (128, 64, 8, 3, "planes")]
+_P, _N = "planes", "natural"
+_SWEEP_DECODE = [(64, 128, 4, 4, _P), (128, 128, 4, 4, _P), (128, 128, 4, 4, _N),
+                 (64, 256, 4, 4, _P), (128, 256, 8, 3, _P), (256, 128, 8, 3, _P),
+                 (128, 64, 4, 6, _P), (64, 128, 4, 6, _P), (64, 256, 4, 3, _P),
+                 (128, 256, 4, 3, _P), (32, 256, 4, 4, _P), (64, 512, 8, 3, _P)]
+_SWEEP_PREFILL = [(64, 64, 4, 4, _N), (128, 64, 4, 4, _N), (128, 64, 8, 3, _N),
+                  (64, 64, 8, 3, _N), (256, 64, 8, 3, _N), (128, 32, 8, 4, _N),
+                  (128, 64, 8, 3, _P)]
 
 
 def _projections() -> dict[str, dict]:

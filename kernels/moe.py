@@ -14,6 +14,7 @@ import torch
 
 from .align import moe_align_block_size
 from .reference import fused_moe_reference
+from .triton_config import W_ORDERS
 
 __all__ = ["fused_moe"]
 
@@ -83,8 +84,8 @@ def fused_moe(
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if w_order not in ("checkpoint", "fragments"):
-        raise ValueError(f"w_order must be 'checkpoint' or 'fragments', got {w_order!r}")
+    if w_order not in W_ORDERS:
+        raise ValueError(f"w_order must be one of {W_ORDERS}, got {w_order!r}")
     _check_inputs(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids)
     if impl == "auto":
         impl = "triton" if hidden_states.is_cuda else "reference"

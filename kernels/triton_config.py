@@ -35,7 +35,9 @@ class W4A16Config:
         ``"natural"``; ``"planes"`` (nibble-plane-major: the dequantized weight goes to the
         tensor cores without a shared-memory round trip, the X tile is permuted instead);
         ``"pairs"`` (planes whose two BF16 halves of a register are nibbles j and j + 4 of one
-        word: dequantized two weights per instruction by inline PTX on the GPU).
+        word: dequantized two weights per instruction by inline PTX on the GPU);
+        ``"fragments"`` (the same dequantization on words converted once by
+        ``chordq.layout.fragment_order``, so X is not permuted; needs ``w_order="fragments"``).
     :param split_k: split the K steps over this many programs per output tile (indexed path):
         FP32 partials, then a reduce kernel. For grids too thin to fill the GPU.
     :param max_registers: cap on registers per thread (Triton's ``maxnreg``), to fit more CTAs
@@ -53,7 +55,8 @@ class W4A16Config:
 
     @property
     def label(self) -> str:
-        """``BM,BN,BK,warps,stages`` plus ``,P`` (planes) / ``,Q`` (pairs) / ``,S<split>``."""
+        """``BM,BN,BK,warps,stages`` plus ``,P`` / ``,Q`` / ``,F`` (planes / pairs / fragments),
+        ``,S<split_k>`` and ``,R<max_registers>`` when set."""
         tag = {"natural": "", "planes": ",P", "pairs": ",Q", "fragments": ",F"}[self.k_order]
         split = f",S{self.split_k}" if self.split_k > 1 else ""
         regs = f",R{self.max_registers}" if self.max_registers else ""
@@ -155,7 +158,7 @@ def choose_config(
     if bm == 64 or k > n:
         # 128 x 128 x 64, 4 warps, 4 stages won for gate_up (K = 7168 > N): 2046 vs 2070 µs at
         # T = 2048, 667 vs 699 at T = 512; for down (K = 2048 < N) the wide tile below did.
-        return W4A16Config(bm, min(64 if gated else 128, max_bn), _largest_dividing(k, 64), 4, 4,
+        return W4A16Config(bm, min(128, max_bn), _largest_dividing(k, 64), 4, 4,
                            k_order="fragments")
     return W4A16Config(bm, min(256, max_bn), _largest_dividing(k, 128), 8, 3, k_order="fragments")
 

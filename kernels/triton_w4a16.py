@@ -2,8 +2,10 @@
 
 ``out[r, n] = sum_k x[row(r), k] * W_e[n, k]``, ``W_e[n, k] = bf16(code - 8) * scale[e, n, k//32]``,
 read straight from the checkpoint words (chordq.layout: int32 ``[E, N, K/8]``, 8 codes per
-word, lowest nibble first; BF16 scales ``[E, N, K/32]``). No dequantized copy of the weight
-exists in memory: each K step loads one tile of words and scales and dequantizes in registers.
+word, lowest nibble first; BF16 scales ``[E, N, K/32]``), or from the same words converted once
+to fragment order (``w_order="fragments"``, ``chordq.layout.fragment_order``). No dequantized
+copy of the weight exists in memory: each K step loads one tile of words and scales and
+dequantizes in registers.
 
 Three routings share one main loop (``_w4a16_tile``):
 
@@ -21,11 +23,12 @@ first, so the result equals the unfused gate_up GEMM followed by ``silu_and_mul`
 
 Hopper design (kernels.md §2): the dot is ``C^T = W . X^T`` so the dequantized weight is the
 register-resident left operand and the few tokens per expert fill the dot's N slot (>= 16).
-Words are unpacked by shift-and-mask into eight nibble planes (``_dequant_tile``); with
-``plane_major`` (decode tiles) each K tile is visited in nibble-plane order so the planes *are*
-the wgmma register operand, with no shared-memory round trip (``_w4a16_tile``). The int->BF16
-convert is a magic-number OR, the group scale is applied per word in BF16 (one rounding, as in
-Chord's reference), tiles are constexpr and chosen by ``triton_config.choose_config``.
+Each K tile is visited in the order its dequantization produces (``k_order``, see
+``_w4a16_tile``), so the dequantized words *are* the wgmma register operand, with no
+shared-memory round trip. On the GPU the "pairs" and "fragments" orders dequantize two weights
+per instruction in inline PTX (``_DEQUANT_PAIRS_ASM``). The int->BF16 convert is a magic-number
+OR, the group scale is applied in BF16 (one rounding, as in Chord's reference), tiles are
+constexpr and chosen by ``triton_config.choose_config``.
 
 Under ``TRITON_INTERPRET=1`` tl.dot and BF16 arithmetic operate on raw BF16 bits, so the
 ``COMPUTE_F32`` flag does the same math in FP32 (with the BF16 rounding of the dequantized
@@ -121,7 +124,6 @@ def _dequant_tile(
     return tl.reshape(planes, (BLOCK_N, BLOCK_K))  # natural: column 8 * word + j
 
 
-
 # One word -> its 8 weights as four BF16 pairs (nibbles j and j + 4 in one 32-bit register):
 # mask-and-OR the nibbles into BF16 128.0's mantissa (lop3), subtract 136 (exact), multiply by
 # the group scale (the one rounding), two weights per instruction. $4/$5 are the word twice
@@ -154,7 +156,7 @@ def _dequant_tile_pairs(
     n_mask,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    FRAGMENTS: tl.constexpr,  # words in fragment order (see layout.to_fragment_order): natural K
+    FRAGMENTS: tl.constexpr,  # words in fragment order (layout.fragment_order): natural K
     COMPUTE_F32: tl.constexpr,
 ):
     """Load and dequantize one weight tile in *pair order*: tile column ``(j * W + w) * 2 + h``
@@ -254,7 +256,8 @@ def _w4a16_tile(
     ``k = 8 w + j``; every thread needs every nibble of the words it loads, so Triton builds the
     wgmma register operand straight from the words. Pairs (K_ORDER 2, ``_dequant_tile_pairs``)
     also puts the two weights of one BF16x2 register next to each other, so the dequantization
-    runs two weights per instruction. Natural order is for wide row tiles only.
+    runs two weights per instruction. Fragments (K_ORDER 3) reads words already permuted so
+    that the same registers hold natural K: X is not permuted at all.
     """
     if EVEN_N:  # an all-true mask: the compiler drops the load predicates
         n_mask = tl.full([BLOCK_N], True, tl.int1)
@@ -295,23 +298,33 @@ def _silu_mul(acc, acc_up, COMPUTE_F32: tl.constexpr):
 
 
 @triton.jit
-def _store_tile(out_ptr, acc, out_rows, row_mask, offs_n, N, stride_om, COMPUTE_F32: tl.constexpr):
-    """Store ``C^T [BLOCK_N, BLOCK_M]`` as BF16 rows ``out_rows`` of ``out``; others untouched."""
+def _store_tile(out_ptr, acc, acc_up, out_rows, row_mask, offs_n, N, stride_om,
+                GATED: tl.constexpr, COMPUTE_F32: tl.constexpr):
+    """Store ``C^T [BLOCK_N, BLOCK_M]`` (with GATED: silu(acc) * acc_up) as BF16 rows
+    ``out_rows`` of ``out``; other rows untouched."""
+    if GATED:
+        acc = _silu_mul(acc, acc_up, COMPUTE_F32)
     ptrs = out_ptr + out_rows[None, :] * stride_om + offs_n[:, None]
     tl.store(ptrs, _round_to_bf16(acc, COMPUTE_F32), mask=row_mask[None, :] & (offs_n < N)[:, None])
 
 
 @triton.jit
-def _indexed_block(pid_m, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
-                   BLOCK_M: tl.constexpr):
-    """(expert, route ids, valid rows) of row block ``pid_m``; expert -1 when there is nothing
-    to do (past ``num_tokens_post_padded``, or an expert on another rank)."""
+def _indexed_tile(num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(expert, route ids, valid rows, output columns) of this program's tile; expert -1 when
+    there is nothing to do (past ``num_tokens_post_padded``, or an expert on another rank).
+
+    Row blocks vary fastest so the tiles sharing one weight tile run together (L2 reuse).
+    """
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    offs_n = (pid // num_m_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     ntp = tl.load(ntp_ptr)  # blocks below it lie inside sorted_ids; pid_m < len(expert_ids)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     expert = tl.where(pid_m * BLOCK_M < ntp, expert, -1)
     offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     routes = tl.load(sorted_ids_ptr + offs, mask=offs < ntp, other=num_routes).to(tl.int64)
-    return expert, routes, routes < num_routes
+    return expert, routes, routes < num_routes, offs_n
 
 
 @triton.jit
@@ -343,15 +356,10 @@ def _w4a16_indexed_kernel(
     SPLIT_K: tl.constexpr,  # > 1: program_id(1) takes every SPLIT_K-th slice of the K steps
     COMPUTE_F32: tl.constexpr,
 ):
-    # Row blocks vary fastest so the tiles sharing one weight tile run together (L2 reuse).
-    pid = tl.program_id(0)
-    pid_m = pid % num_m_blocks
-    pid_n = pid // num_m_blocks
-    expert, routes, row_mask = _indexed_block(pid_m, ntp_ptr, expert_ids_ptr, sorted_ids_ptr,
-                                              num_routes, BLOCK_M)
+    expert, routes, row_mask, offs_n = _indexed_tile(num_m_blocks, ntp_ptr, expert_ids_ptr,
+                                                     sorted_ids_ptr, num_routes, BLOCK_M, BLOCK_N)
     if expert < 0:
         return  # rows left unwritten
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     steps = K // BLOCK_K
     per_split = tl.cdiv(steps, SPLIT_K)
     first = tl.program_id(1) * per_split
@@ -360,9 +368,8 @@ def _w4a16_indexed_kernel(
                               stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                               GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, EVEN_N, COMPUTE_F32)
     if SPLIT_K == 1:
-        if GATED:
-            acc = _silu_mul(acc, acc_up, COMPUTE_F32)
-        _store_tile(out_ptr, acc, routes, row_mask, offs_n, N, stride_om, COMPUTE_F32)
+        _store_tile(out_ptr, acc, acc_up, routes, row_mask, offs_n, N, stride_om, GATED,
+                    COMPUTE_F32)
     else:  # FP32 partial sums, gate in columns [0, N), up in [N, 2N); the reduce kernel ends
         part = out_ptr.to(tl.pointer_type(tl.float32)) + tl.program_id(1) * num_routes * stride_om
         ptrs = part + routes[None, :] * stride_om + offs_n[:, None]
@@ -392,14 +399,10 @@ def _split_k_reduce_kernel(
 ):
     """Sum the split-K partials in split order (deterministic) and finish like SPLIT_K == 1.
     Same row blocks as the GEMM, so exactly the rows it owns are written."""
-    pid = tl.program_id(0)
-    pid_m = pid % num_m_blocks
-    pid_n = pid // num_m_blocks
-    expert, routes, row_mask = _indexed_block(pid_m, ntp_ptr, expert_ids_ptr, sorted_ids_ptr,
-                                              num_routes, BLOCK_M)
+    expert, routes, row_mask, offs_n = _indexed_tile(num_m_blocks, ntp_ptr, expert_ids_ptr,
+                                                     sorted_ids_ptr, num_routes, BLOCK_M, BLOCK_N)
     if expert < 0:
         return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = row_mask[None, :] & (offs_n < N)[:, None]
     ptrs = part_ptr + routes[None, :] * stride_pm + offs_n[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -409,9 +412,7 @@ def _split_k_reduce_kernel(
         if GATED:
             acc_up += tl.load(ptrs + N, mask=mask, other=0.0)
         ptrs += num_routes * stride_pm
-    if GATED:
-        acc = _silu_mul(acc, acc_up, COMPUTE_F32)
-    _store_tile(out_ptr, acc, routes, row_mask, offs_n, N, stride_om, COMPUTE_F32)
+    _store_tile(out_ptr, acc, acc_up, routes, row_mask, offs_n, N, stride_om, GATED, COMPUTE_F32)
 
 
 @triton.jit
@@ -455,9 +456,7 @@ def _w4a16_contiguous_kernel(
                               0, K // BLOCK_K, stride_xm, stride_we, stride_wn, stride_se,
                               stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, EVEN_N,
                               COMPUTE_F32)
-    if GATED:
-        acc = _silu_mul(acc, acc_up, COMPUTE_F32)
-    _store_tile(out_ptr, acc, rows, row_mask, offs_n, N, stride_om, COMPUTE_F32)
+    _store_tile(out_ptr, acc, acc_up, rows, row_mask, offs_n, N, stride_om, GATED, COMPUTE_F32)
 
 
 @triton.jit
@@ -502,9 +501,7 @@ def _w4a16_masked_kernel(
                               N, 0, K // BLOCK_K, stride_xm, stride_we, stride_wn, stride_se,
                               stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, EVEN_N,
                               COMPUTE_F32)
-    if GATED:
-        acc = _silu_mul(acc, acc_up, COMPUTE_F32)
-    _store_tile(out_ptr, acc, rows, row_mask, offs_n, N, stride_om, COMPUTE_F32)
+    _store_tile(out_ptr, acc, acc_up, rows, row_mask, offs_n, N, stride_om, GATED, COMPUTE_F32)
 
 
 # ----------------------------------------------------------------------------- host side
