@@ -139,8 +139,16 @@ def choose_config(
         if gated:
             bn = 128 if bm == 16 else 64
             return W4A16Config(bm, min(bn, max_bn), bk, 4, 3, k_order=order)
+        if fragments and k <= 512:
+            # Few K steps (TP8 down, K = 256): 64-deep steps give the pipeline something to
+            # overlap; one 256-deep step per tile ran at 35% of the floor (plan5/plan6: T=128
+            # 237.6 -> 145.0 µs, T=1024 356.5 -> 227.4 µs).
+            return W4A16Config(bm, min(128, max_bn), 64, 4, 3 if bm == 16 else 4,
+                               k_order=order)
         if bm == 32:
             return W4A16Config(bm, min(128, max_bn), bk, 4, 3, k_order=order)
+        if fragments and n <= 1024:  # TP8 gate_up (N = 512): T=8 44.4 -> 40.2 µs (plan6)
+            return W4A16Config(bm, min(128, max_bn), bk, 4, 4, k_order=order)
         if fragments:  # 128 registers: 4 CTAs per SM instead of 3
             return W4A16Config(bm, min(64, max_bn), bk, 4, 3, k_order=order, max_registers=128)
         return W4A16Config(bm, min(64, max_bn), bk, 4, 4, k_order=order)
@@ -155,9 +163,10 @@ def choose_config(
                                k_order="fragments")
         return W4A16Config(bm, min(64, max_bn), _largest_dividing(k, 128), 4, 3,
                            k_order="fragments")
-    if bm == 64 or k > n:
+    if bm == 64 or k > n or k <= 512:
         # 128 x 128 x 64, 4 warps, 4 stages won for gate_up (K = 7168 > N): 2046 vs 2070 µs at
-        # T = 2048, 667 vs 699 at T = 512; for down (K = 2048 < N) the wide tile below did.
+        # T = 2048, 667 vs 699 at T = 512, and for TP8 down (K = 256): 1216 vs 1310 µs at
+        # T = 8192 (plan7); for EP8 down (K = 2048 < N) the wide tile below did.
         return W4A16Config(bm, min(128, max_bn), _largest_dividing(k, 64), 4, 4,
                            k_order="fragments")
     return W4A16Config(bm, min(256, max_bn), _largest_dividing(k, 128), 8, 3, k_order="fragments")

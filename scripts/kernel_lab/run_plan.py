@@ -2,8 +2,10 @@
 
 The variant measurements in docs/kernel_notes.md come from these plans (``plan1.json`` ..
 ``plan4.json``). A plan is a list of ``{"proj": "gate_up"|"down", "T": tokens, "act": null |
-"silu_mul", "configs": [[BM, BN, BK, warps, stages, k_order, split_k?, max_registers?], ...]}``
-at Kimi K2 EP8 shapes (48 experts, top-8; ``chordq.kernels.bench``'s weights and routing).
+"silu_mul", "layout"?: "EP8" | "TP8", "configs": [[BM, BN, BK, warps, stages, k_order, split_k?,
+max_registers?], ...]}`` at Kimi K2 shapes (``bench_humming.LAYOUTS``: EP8 48 experts, the
+default; TP8 384 experts, gate_up N=512 K=7168, down N=7168 K=256), top-8, random words over all
+16 levels and a uniform routing draw per (layout, T).
 "fragments" configs get ``chordq.layout.fragment_order`` words (converted once, untimed).
 
 Usage (repo root, GPU machine): ``OUT=/tmp/lab python scripts/kernel_lab/run_plan.py
@@ -18,6 +20,7 @@ import time
 import torch
 
 from chordq.kernels import bench as B
+from chordq.kernels.bench_humming import LAYOUTS, floor_model
 from chordq.kernels.align import moe_align_block_size
 from chordq.kernels.reference import cos_diff, moe_gemm_indexed_reference
 from chordq.kernels.triton_config import W4A16Config
@@ -31,21 +34,29 @@ def main(plan_path: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     plan = json.loads(open(plan_path).read())
     gen = torch.Generator(device="cuda").manual_seed(0)
-    weights = B._make_weights(gen)
-    routings, frag, results, start = {}, {}, [], time.time()
+    weights, routings, frag, results, start = {}, {}, {}, [], time.time()
     for item in plan:
         proj, tokens, act = item["proj"], item["T"], item.get("act")
-        routings.setdefault(tokens, B._routing(tokens, gen))
-        topk = routings[tokens]
-        p = B._projections()[proj]
-        w, s = weights[proj]
+        layout = item.get("layout", "EP8")
+        p = next(q for q in LAYOUTS[layout] if q.proj == proj)
+        key = (layout, proj)
+        if key not in weights:
+            words = torch.randint(-2**31, 2**31, (p.num_experts, p.n, p.k // 8), generator=gen,
+                                  dtype=torch.int64, device="cuda").to(torch.int32)
+            scale = (0.01 * torch.exp2(0.5 * torch.randn(p.num_experts, p.n, p.k // 32,
+                                                          generator=gen, device="cuda")))
+            weights[key] = (words, scale.to(torch.bfloat16))
+        w, s = weights[key]
+        if (layout, tokens) not in routings:
+            scores = torch.rand(tokens, p.num_experts, generator=gen, device="cuda")
+            routings[(layout, tokens)] = scores.topk(8, dim=-1).indices.to(torch.int32)
+        topk = routings[(layout, tokens)]
         rows = 8 * tokens
-        x = torch.randn(tokens if proj == "gate_up" else rows, p["k"], generator=gen,
+        x = torch.randn(p.input_rows(tokens), p.k, generator=gen,
                         device="cuda").to(torch.bfloat16)
-        top_k = 8 if proj == "gate_up" else 1
-        n_out = p["n"] // 2 if act else p["n"]
-        bytes_, flops = B._bytes_and_flops(proj, tokens, int(torch.unique(topk).numel()))
-        floor_us = max(bytes_ / B.HBM_BYTES_PER_S, flops / B.BF16_FLOPS) * 1e6
+        top_k = p.top_k
+        n_out = p.n // 2 if act else p.n
+        floor_us = floor_model(p, tokens, int(torch.unique(topk).numel()))["floor_us"]
         want = None
         for c in item["configs"]:
             if time.time() - start > budget_s:
@@ -54,10 +65,10 @@ def main(plan_path: str) -> None:
             cfg = W4A16Config(*c[:5], k_order=c[5], split_k=c[6] if len(c) > 6 else 1,
                               max_registers=c[7] if len(c) > 7 else None)
             order = "fragments" if cfg.k_order == "fragments" else "checkpoint"
-            if order == "fragments" and proj not in frag:
-                frag[proj] = fragment_order(w)
-            words = frag[proj] if order == "fragments" else w
-            aligned = moe_align_block_size(topk, cfg.block_m, 48)
+            if order == "fragments" and key not in frag:
+                frag[key] = fragment_order(w)
+            words = frag[key] if order == "fragments" else w
+            aligned = moe_align_block_size(topk, cfg.block_m, p.num_experts)
             out = torch.empty(rows, n_out, dtype=torch.bfloat16, device="cuda")
 
             def fn(aligned=aligned, cfg=cfg, words=words, out=out, order=order):
@@ -69,17 +80,17 @@ def main(plan_path: str) -> None:
                 got = fn()
                 torch.cuda.synchronize()
             except Exception as exc:  # noqa: BLE001 - report the config and go on
-                print(f"{proj} T={tokens} {cfg.label} FAILED {type(exc).__name__}: "
+                print(f"{layout} {proj} T={tokens} {cfg.label} FAILED {type(exc).__name__}: "
                       f"{str(exc)[:300]}", flush=True)
                 continue
             if want is None:
                 want = moe_gemm_indexed_reference(x, w, s, *aligned, top_k, cfg.block_m,
                                                   activation=act)
-            r = {"proj": proj, "T": tokens, "act": act, "config": cfg.label,
+            r = {"layout": layout, "proj": proj, "T": tokens, "act": act, "config": cfg.label,
                  "cos_diff": cos_diff(got, want), "graph_us": B._time_graph(fn, 5)}
             r["pct_of_floor"] = 100 * floor_us / r["graph_us"]
             results.append(r)
-            print(f"{proj:7s} {str(act):8s} T={tokens:5d} {cfg.label:26s} "
+            print(f"{layout} {proj:7s} {str(act):8s} T={tokens:5d} {cfg.label:26s} "
                   f"cos={r['cos_diff']:.1e} {r['graph_us']:8.1f} µs "
                   f"{r['pct_of_floor']:5.1f}% of floor", flush=True)
             json.dump(results, open(f"{out_dir}/lab.json", "w"), indent=1)
