@@ -42,6 +42,9 @@ class W4A16Config:
         FP32 partials, then a reduce kernel. For grids too thin to fill the GPU.
     :param max_registers: cap on registers per thread (Triton's ``maxnreg``), to fit more CTAs
         per SM; None lets the compiler choose.
+    :param n_tiles: > 1: each program loads its X rows once and loops over this many
+        ``block_n`` column tiles, pipelining their weight loads (indexed path, no activation,
+        ``block_k == K``: the few-K down projection of TP8, K = 256).
     """
 
     block_m: int = 16
@@ -52,22 +55,27 @@ class W4A16Config:
     k_order: str = "natural"
     split_k: int = 1
     max_registers: int | None = None
+    n_tiles: int = 1
 
     @property
     def label(self) -> str:
         """``BM,BN,BK,warps,stages`` plus ``,P`` / ``,Q`` / ``,F`` (planes / pairs / fragments),
-        ``,S<split_k>`` and ``,R<max_registers>`` when set."""
+        ``,S<split_k>``, ``,R<max_registers>`` and ``,L<n_tiles>`` when set."""
         tag = {"natural": "", "planes": ",P", "pairs": ",Q", "fragments": ",F"}[self.k_order]
         split = f",S{self.split_k}" if self.split_k > 1 else ""
         regs = f",R{self.max_registers}" if self.max_registers else ""
+        loop = f",L{self.n_tiles}" if self.n_tiles > 1 else ""
         return (f"{self.block_m},{self.block_n},{self.block_k},{self.num_warps},"
-                f"{self.num_stages}{tag}{split}{regs}")
+                f"{self.num_stages}{tag}{split}{regs}{loop}")
 
     def __post_init__(self) -> None:
         if self.k_order not in K_ORDERS:
             raise ValueError(f"k_order must be one of {K_ORDERS}, got {self.k_order!r}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+        if self.n_tiles < 1 or (self.n_tiles > 1 and self.split_k > 1):
+            raise ValueError(f"n_tiles must be >= 1 and excludes split_k > 1, got "
+                             f"n_tiles={self.n_tiles} split_k={self.split_k}")
         if not (_is_pow2(self.block_m) and 16 <= self.block_m <= 128):
             raise ValueError(f"block_m must be a power of two in [16, 128], got {self.block_m}")
         if not (_is_pow2(self.block_n) and self.block_n >= 16):
@@ -132,19 +140,19 @@ def choose_config(
         bk = _largest_dividing(k, 512)
         order = "fragments" if fragments else ("pairs" if bk >= 64 else "natural")
         return W4A16Config(bm, min(256, max_bn), bk, 4, 1, k_order=order)
-    # Tiles below were picked from sweeps on the H200 (2026-12-02, docs/kernel_notes.md).
+    # Tiles below were picked from sweeps on the H200 (2026-12-02/03, docs/kernel_notes.md).
+    if fragments and not gated and k <= 512 and _is_pow2(k):
+        # One K step (TP8 down, K = 256): programs loop over column tiles (plan9-11: T=128
+        # 237.6 µs as one 256-deep step per tile, 145.0 as 64-deep steps, 133.0 looping;
+        # T=2048 311.9 -> 244.2). n_tiles is refined per grid by choose_n_tiles.
+        return W4A16Config(bm, min(64, max_bn), k, 4, 4 if bm == 16 else 3, k_order="fragments",
+                           n_tiles=14)
     if bm <= 32:
         order = "fragments" if fragments else "pairs"
         bk = _largest_dividing(k, 256)
         if gated:
             bn = 128 if bm == 16 else 64
             return W4A16Config(bm, min(bn, max_bn), bk, 4, 3, k_order=order)
-        if fragments and k <= 512:
-            # Few K steps (TP8 down, K = 256): 64-deep steps give the pipeline something to
-            # overlap; one 256-deep step per tile ran at 35% of the floor (plan5/plan6: T=128
-            # 237.6 -> 145.0 µs, T=1024 356.5 -> 227.4 µs).
-            return W4A16Config(bm, min(128, max_bn), 64, 4, 3 if bm == 16 else 4,
-                               k_order=order)
         if bm == 32:
             return W4A16Config(bm, min(128, max_bn), bk, 4, 3, k_order=order)
         if fragments and n <= 1024:  # TP8 gate_up (N = 512): T=8 44.4 -> 40.2 µs (plan6)
@@ -163,20 +171,44 @@ def choose_config(
                                k_order="fragments")
         return W4A16Config(bm, min(64, max_bn), _largest_dividing(k, 128), 4, 3,
                            k_order="fragments")
-    if bm == 64 or k > n or k <= 512:
+    if bm == 64 or k > n:
         # 128 x 128 x 64, 4 warps, 4 stages won for gate_up (K = 7168 > N): 2046 vs 2070 µs at
-        # T = 2048, 667 vs 699 at T = 512, and for TP8 down (K = 256): 1216 vs 1310 µs at
-        # T = 8192 (plan7); for EP8 down (K = 2048 < N) the wide tile below did.
+        # T = 2048, 667 vs 699 at T = 512; for down (K = 2048 < N) the wide tile below did.
         return W4A16Config(bm, min(128, max_bn), _largest_dividing(k, 64), 4, 4,
                            k_order="fragments")
     return W4A16Config(bm, min(256, max_bn), _largest_dividing(k, 128), 8, 3, k_order="fragments")
 
 
+def choose_n_tiles(cfg: W4A16Config, blocks: int, n: int, num_sms: int) -> int:
+    """Column tiles per program for the column-looping kernel: the count in 2..28 dividing
+    the column tiles that minimizes waves x (tiles per program + 2), a wave being one program
+    per slot (about 4 per SM for 16/32-row tiles, 2 for larger) and 2 tiles' time the cost of
+    a program's start (X load, pipeline fill); ties go to more tiles (X read fewer times).
+
+    Measured (TP8 down, plan11): T=1 (8 blocks) wants 2, T=8 (62) 14, T=20-32 14-28, T >= 128
+    28; more than 28 lost everywhere (T=128: 152.8 µs with 56 vs 133.0 with 14).
+    """
+    tiles = -(-n // cfg.block_n)
+    slots = (4 if cfg.block_m <= 32 else 2) * num_sms
+    best, best_cost = 1, None
+    for per in range(2, min(28, tiles) + 1):
+        programs = max(1, blocks) * -(-tiles // per)
+        cost = -(-programs // slots) * (per + 2)
+        if tiles % per == 0 and (best_cost is None or cost <= best_cost):
+            best, best_cost = per, cost
+    return best
+
+
 def choose_split_k(cfg: W4A16Config, tiles: int, k: int, num_sms: int) -> int:
-    """Split-K factor for a grid of about ``tiles`` output tiles: enough programs for about three
-    per SM (decode tiles run 2-4 CTAs per SM), at least two K steps per split, at most 16."""
+    """Split-K factor for a grid of about ``tiles`` output tiles: none unless the grid leaves
+    SMs idle (fewer tiles than SMs), then enough programs for about three per SM (decode tiles
+    run 2-4 CTAs per SM), at least two K steps per split, at most 16.
+
+    Splitting a grid of 1.8 tiles per SM (TP8 gate_up T=8: 236 tiles) cost 40.2 -> 59.2 µs
+    (docs/performance.md §6); at 0.25 per SM (TP8 T=1: 32 tiles) it wins 12.0 -> 11.4 µs.
+    """
     target = 3 * num_sms
-    if tiles <= 0 or tiles >= target:
+    if tiles <= 0 or tiles >= num_sms:
         return 1
     steps = k // cfg.block_k
     split = 1

@@ -38,13 +38,15 @@ weight kept explicitly); on GPU the dot runs on BF16 tensor cores with FP32 accu
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .triton_config import GROUP_SIZE, K_ORDERS, W4A16Config, choose_config, choose_split_k
+from .triton_config import (GROUP_SIZE, K_ORDERS, W4A16Config, choose_config, choose_n_tiles,
+                            choose_split_k)
 
 __all__ = [
     "indexed_config",
@@ -380,6 +382,64 @@ def _w4a16_indexed_kernel(
 
 
 @triton.jit
+def _w4a16_indexed_wide_kernel(
+    x_ptr,  # bf16 [num_routes / TOP_K, K]
+    w_ptr,  # int32 [E, N, K/8]
+    s_ptr,  # bf16 [E, N, K/32]
+    out_ptr,  # bf16 [num_routes, N]
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    ntp_ptr,
+    num_routes,
+    N,
+    K,  # == BLOCK_K
+    num_m_blocks,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_ORDER: tl.constexpr,
+    EVEN_N: tl.constexpr,  # N % (BLOCK_N * N_TILES) == 0
+    N_TILES: tl.constexpr,  # column tiles per program
+    COMPUTE_F32: tl.constexpr,
+):
+    """Indexed GEMM for a K that fits one step (TP8 down, K = 256): each program loads its X
+    rows once and loops over ``N_TILES`` column tiles, so the weight loads of the next tiles are
+    in flight while one is dequantized (a one-step K loop has nothing to pipeline), and X is
+    read once per ``N_TILES`` tiles instead of once per tile."""
+    expert, routes, row_mask, _ = _indexed_tile(num_m_blocks, ntp_ptr, expert_ids_ptr,
+                                                sorted_ids_ptr, num_routes, BLOCK_M, BLOCK_N)
+    if expert < 0:
+        return
+    pid_n = tl.program_id(0) // num_m_blocks
+    offs_k = tl.arange(0, BLOCK_K)
+    x = _load_x(x_ptr + (routes // TOP_K)[None, :] * stride_xm + offs_k[:, None], row_mask,
+                BLOCK_M, BLOCK_K, K_ORDER, COMPUTE_F32)
+    offs_n = pid_n * (BLOCK_N * N_TILES) + tl.arange(0, BLOCK_N)
+    rows_n = offs_n[:, None].to(tl.int64)
+    w_ptrs = w_ptr + expert * stride_we + rows_n * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
+    s_ptrs = s_ptr + expert * stride_se + rows_n * stride_sn + tl.arange(0, BLOCK_K // 32)[None, :]
+    for _ in range(0, N_TILES):
+        if EVEN_N:
+            n_mask = tl.full([BLOCK_N], True, tl.int1)
+        else:
+            n_mask = offs_n < N
+        w = _load_w(w_ptrs, s_ptrs, n_mask, BLOCK_N, BLOCK_K, K_ORDER, COMPUTE_F32)
+        acc = _mma(w, x, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), COMPUTE_F32)
+        _store_tile(out_ptr, acc, acc, routes, row_mask, offs_n, N, stride_om, False,
+                    COMPUTE_F32)
+        offs_n += BLOCK_N
+        w_ptrs += BLOCK_N * stride_wn
+        s_ptrs += BLOCK_N * stride_sn
+
+
+@triton.jit
 def _split_k_reduce_kernel(
     part_ptr,  # fp32 [SPLIT_K, num_routes, N_w] partial sums
     out_ptr,  # bf16 [num_routes, N]
@@ -555,11 +615,11 @@ def _gated(activation: str | None) -> bool:
 
 def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, k: int,
                     gated: bool, device: torch.device, w_order: str, block_m: int | None = None,
-                    split_k_ok: bool = False) -> W4A16Config:
+                    indexed: bool = False) -> W4A16Config:
     if config is None:
         return choose_config(rows_per_expert, n, k, gated=gated, block_m=block_m,
                              w_order=w_order, interpret=device.type == "cpu")
-    if config.split_k > 1 and not split_k_ok:
+    if config.split_k > 1 and not indexed:
         raise ValueError("split_k > 1 is implemented for the indexed path only")
     if (config.k_order == "fragments") != (w_order == "fragments"):
         raise ValueError(f"config.k_order={config.k_order!r} does not read w_order={w_order!r} "
@@ -569,6 +629,9 @@ def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, 
                          f"block {block_m}")
     if k % config.block_k:
         raise ValueError(f"K={k} is not a multiple of block_k={config.block_k}")
+    if config.n_tiles > 1 and not (indexed and not gated and config.block_k == k):
+        raise ValueError(f"n_tiles={config.n_tiles} needs the indexed path, no activation and "
+                         f"block_k == K (got block_k={config.block_k}, K={k})")
     return config
 
 
@@ -617,13 +680,17 @@ def indexed_config(
     device = torch.device(device)
     gated = _gated(activation)
     cfg = _resolve_config(config, num_routes / num_experts, n, k, gated, device, w_order,
-                          block_m, split_k_ok=True)
+                          block_m, indexed=True)
     split = cfg.split_k
+    # experts hit by num_routes uniform draws, times blocks per expert
+    touched = num_experts * -math.expm1(-num_routes / num_experts) if num_experts else 0
+    busy_blocks = round(touched) * max(1, round(num_routes / num_experts / cfg.block_m))
+    if config is None and cfg.n_tiles > 1:
+        per = choose_n_tiles(cfg, busy_blocks, n, _num_sms(device))
+        return dataclasses.replace(cfg, n_tiles=per)
     if config is None:
-        n_tiles = triton.cdiv(n, cfg.block_n)
-        busy_blocks = min(num_routes, num_experts) * max(1, round(num_routes / num_experts
-                                                                  / cfg.block_m))
-        split = choose_split_k(cfg, busy_blocks * n_tiles, k, _num_sms(device))
+        split = choose_split_k(cfg, busy_blocks * triton.cdiv(n, cfg.block_n), k,
+                               _num_sms(device))
     steps = k // cfg.block_k
     split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty split
     return cfg if split == cfg.split_k else dataclasses.replace(cfg, split_k=split)
@@ -690,6 +757,15 @@ def moe_gemm_indexed_triton(
     split = cfg.split_k
     args = (num_routes, n, k, grid_m, x.stride(0), w_packed.stride(0), w_packed.stride(1),
             w_scale.stride(0), w_scale.stride(1))
+    if cfg.n_tiles > 1:
+        wide = cfg.block_n * cfg.n_tiles
+        launch = _launch_args(cfg, gated, n)
+        del launch["GATED"]
+        launch["EVEN_N"] = n % wide == 0
+        _w4a16_indexed_wide_kernel[(grid_m * triton.cdiv(n, wide),)](
+            x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
+            *args, out.stride(0), TOP_K=top_k, N_TILES=cfg.n_tiles, **launch)
+        return out
     if split == 1:
         _w4a16_indexed_kernel[(grid_m * n_tiles, 1)](
             x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,

@@ -190,10 +190,56 @@ def test_indexed_split_k(device, cfg, gated):
     check_rows(got, want, (flat >= 0) & (flat != 2))
 
 
+# Column-looping programs for a one-step K (TP8 down, K = 256): N = 7 * 32 is covered by
+# 4-tile programs with a partial last program (masked columns) and by 7-tile programs exactly.
+WIDE_CONFIGS = [
+    W4A16Config(16, 32, 256, 4, 2, k_order="fragments", n_tiles=4),
+    W4A16Config(32, 32, 256, 4, 3, k_order="fragments", n_tiles=7),
+    W4A16Config(16, 32, 256, 4, 2, k_order="pairs", n_tiles=2),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", WIDE_CONFIGS, ids=str)
+def test_indexed_column_loop(device, cfg):
+    m, top_k, e, n, k = 13, 2, 6, 7 * 32, 256
+    w, s = random_weights(e, n, k, device)
+    x = randn_bf16(m, k, device=device)
+    topk_ids = random_topk(m, top_k, e, drop=0.15)
+    expert_map = torch.arange(e, dtype=torch.int32)
+    expert_map[3] = -1
+    aligned = moe_align_block_size(topk_ids, cfg.block_m, e, expert_map)
+    sorted_ids, expert_ids, ntp = (t.to(device) for t in aligned)
+    out = torch.full((m * top_k, n), SENTINEL, dtype=torch.bfloat16, device=device)
+    got = moe_gemm_indexed_triton(x, w_scale=s, sorted_token_ids=sorted_ids,
+                                  expert_ids=expert_ids, num_tokens_post_padded=ntp, top_k=top_k,
+                                  block_m=cfg.block_m, config=cfg, out=out,
+                                  **kernel_words(w, cfg))
+    want = moe_gemm_indexed_reference(x, w, s, sorted_ids, expert_ids, ntp, top_k, cfg.block_m)
+    flat = topk_ids.reshape(-1)
+    check_rows(got, want, (flat >= 0) & (flat != 3))
+
+
+def test_column_loop_rejects_what_it_cannot_run():
+    w, s = random_weights(2, 64, 256, "cpu")
+    x = randn_bf16(2, 256, device="cpu")
+    for cfg, act in ((W4A16Config(16, 32, 128, n_tiles=2), None),  # block_k != K
+                     (W4A16Config(16, 32, 256, n_tiles=2), "silu_mul")):
+        with pytest.raises(ValueError, match="n_tiles"):
+            triton_w4a16.indexed_config(2, 2, 64, 256, 16, activation=act, config=cfg,
+                                        device="cpu")
+    with pytest.raises(ValueError, match="n_tiles"):
+        W4A16Config(16, 32, 256, split_k=2, n_tiles=2)
+    with pytest.raises(ValueError, match="n_tiles"):
+        grouped_gemm_contiguous_triton(x, w, s, torch.zeros(2, dtype=torch.int32),
+                                       config=W4A16Config(16, 32, 256, n_tiles=2))
+
+
 def test_split_k_heuristic_fills_thin_grids_only():
     cfg = W4A16Config(16, 128, 256)
-    assert choose_split_k(cfg, tiles=8 * 32, k=7168, num_sms=132) == 2  # EP8 T=1 gate_up
+    assert choose_split_k(cfg, tiles=7 * 16, k=7168, num_sms=132) == 4  # EP8 T=1 fused gate_up
     assert choose_split_k(cfg, tiles=8 * 4, k=7168, num_sms=132) == 8  # TP8 T=1: K steps cap
+    assert choose_split_k(cfg, tiles=59 * 4, k=7168, num_sms=132) == 1  # TP8 T=8: 1.8 per SM
     assert choose_split_k(cfg, tiles=45 * 32, k=7168, num_sms=132) == 1  # T=20: full grid
     assert choose_split_k(W4A16Config(16, 128, 128), tiles=8 * 56, k=256, num_sms=132) == 1
 

@@ -3,7 +3,7 @@
 The variant measurements in docs/kernel_notes.md come from these plans (``plan1.json`` ..
 ``plan4.json``). A plan is a list of ``{"proj": "gate_up"|"down", "T": tokens, "act": null |
 "silu_mul", "layout"?: "EP8" | "TP8", "configs": [[BM, BN, BK, warps, stages, k_order, split_k?,
-max_registers?], ...]}`` at Kimi K2 shapes (``bench_humming.LAYOUTS``: EP8 48 experts, the
+max_registers?, n_tiles?], ...]}`` at Kimi K2 shapes (``bench_humming.LAYOUTS``: EP8 48 experts, the
 default; TP8 384 experts, gate_up N=512 K=7168, down N=7168 K=256), top-8, random words over all
 16 levels and a uniform routing draw per (layout, T).
 "fragments" configs get ``chordq.layout.fragment_order`` words (converted once, untimed).
@@ -63,7 +63,8 @@ def main(plan_path: str) -> None:
                 print("time budget reached", flush=True)
                 break
             cfg = W4A16Config(*c[:5], k_order=c[5], split_k=c[6] if len(c) > 6 else 1,
-                              max_registers=c[7] if len(c) > 7 else None)
+                              max_registers=c[7] if len(c) > 7 else None,
+                              n_tiles=c[8] if len(c) > 8 else 1)
             order = "fragments" if cfg.k_order == "fragments" else "checkpoint"
             if order == "fragments" and key not in frag:
                 frag[key] = fragment_order(w)
