@@ -41,6 +41,7 @@ _LAZY = {
     "moe_sum_triton": "triton_moe_sum",
     "W4A16Config": "triton_config",
     "choose_config": "triton_config",
+    "choose_n_tiles": "triton_config",
     "choose_split_k": "triton_config",
     "run_benchmark": "bench",
 }

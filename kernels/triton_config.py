@@ -117,7 +117,7 @@ def choose_config(
     :param rows_per_expert: routed rows / local experts (e.g. ``M * top_k / E``)
     :param n: output features (``I`` for gate_up with ``silu_mul``, ``H`` for down)
     :param k: reduction size, a multiple of 32
-    :param gated: the tile computes gate and up halves (two weight tiles per K step)
+    :param gated: the tile computes gate and up halves (a ``2 block_n``-row weight tile)
     :param block_m: force the row tile (e.g. to reuse one ``moe_align_block_size`` result)
     :param w_order: ``"checkpoint"`` (words as written) or ``"fragments"``
         (``chordq.layout.fragment_order``, the fast path); decides ``k_order``
@@ -150,9 +150,8 @@ def choose_config(
     if bm <= 32:
         order = "fragments" if fragments else "pairs"
         bk = _largest_dividing(k, 256)
-        if gated:
-            bn = 128 if bm == 16 else 64
-            return W4A16Config(bm, min(bn, max_bn), bk, 4, 3, k_order=order)
+        if gated:  # one 128 x 256 weight tile per step, as the unfused decode tile
+            return W4A16Config(bm, min(64, max_bn), bk, 4, 3, k_order=order)
         if bm == 32:
             return W4A16Config(bm, min(128, max_bn), bk, 4, 3, k_order=order)
         if fragments and n <= 1024:  # TP8 gate_up (N = 512): T=8 44.4 -> 40.2 µs (plan6)
@@ -165,11 +164,13 @@ def choose_config(
         if bm == 64 or gated:
             return W4A16Config(bm, bn, _largest_dividing(k, 64), num_warps=4, num_stages=4)
         return W4A16Config(bm, bn, _largest_dividing(k, 64), num_warps=8, num_stages=3)
-    if gated:  # from scripts/kernel_lab/plan4.json: T=256 480 vs 505 µs, T=2048 2297 vs 2666
-        if bm == 64:
+    if gated:  # fused gate + up (one stacked weight tile): as the unfused gate_up tiles
+        if bm == 64:  # plan4: T=256 480 vs 505 µs
             return W4A16Config(bm, min(128, max_bn), _largest_dividing(k, 64), 8, 3,
                                k_order="fragments")
-        return W4A16Config(bm, min(64, max_bn), _largest_dividing(k, 128), 4, 3,
+        # 64-deep steps keep a wgmma group in flight (sm_90 SASS, scripts/kernel_lab/sass.py);
+        # 128-deep steps wait for every wgmma
+        return W4A16Config(bm, min(64, max_bn), _largest_dividing(k, 64), 4, 4,
                            k_order="fragments")
     if bm == 64 or k > n:
         # 128 x 128 x 64, 4 warps, 4 stages won for gate_up (K = 7168 > N): 2046 vs 2070 µs at
@@ -180,23 +181,25 @@ def choose_config(
 
 
 def choose_n_tiles(cfg: W4A16Config, blocks: int, n: int, num_sms: int) -> int:
-    """Column tiles per program for the column-looping kernel: the count in 2..28 dividing
-    the column tiles that minimizes waves x (tiles per program + 2), a wave being one program
-    per slot (about 4 per SM for 16/32-row tiles, 2 for larger) and 2 tiles' time the cost of
-    a program's start (X load, pipeline fill); ties go to more tiles (X read fewer times).
+    """Column tiles per program for the column-looping kernel: 14 for 16-row tiles, 28 for
+    larger ones, fewer (a smaller divisor of the column tiles, at least 2) while the grid would
+    hold under 1.5 programs per SM.
 
-    Measured (TP8 down, plan11): T=1 (8 blocks) wants 2, T=8 (62) 14, T=20-32 14-28, T >= 128
-    28; more than 28 lost everywhere (T=128: 152.8 µs with 56 vs 133.0 with 14).
+    Measured on TP8 down (plan9-12, 112 column tiles of 64): 16 rows: 14 beat 28 at T=8 (26.2
+    vs 33.3 µs), T=20 (58.7 vs 71.3), T=32 (71.7 vs 79.7) and tied at T=128; 32-128 rows: 28
+    beat 14 (T=1024 166 vs 173, T=2048 244 vs 255, T=8192 816 vs 853); 56 lost everywhere; at
+    T=1 (8 blocks) 2-4 tiles (5.6-5.7 µs) against 14 (9.8).
     """
     tiles = -(-n // cfg.block_n)
-    slots = (4 if cfg.block_m <= 32 else 2) * num_sms
-    best, best_cost = 1, None
-    for per in range(2, min(28, tiles) + 1):
-        programs = max(1, blocks) * -(-tiles // per)
-        cost = -(-programs // slots) * (per + 2)
-        if tiles % per == 0 and (best_cost is None or cost <= best_cost):
-            best, best_cost = per, cost
-    return best
+    divisors = [d for d in range(2, tiles + 1) if tiles % d == 0]
+    if not divisors:
+        return 1
+    want = 14 if cfg.block_m <= 16 else 28
+    fitting = [d for d in divisors if d <= want] or divisors[:1]
+    for per in reversed(fitting):
+        if max(1, blocks) * (tiles // per) >= 1.5 * num_sms:
+            return per
+    return fitting[0]
 
 
 def choose_split_k(cfg: W4A16Config, tiles: int, k: int, num_sms: int) -> int:

@@ -252,6 +252,10 @@ def _w4a16_tile(
     """FP32 ``C^T [BLOCK_N, BLOCK_M]`` of one (expert, row tile, column tile, K range), and the
     up half's with GATED (else zeros).
 
+    GATED stacks the gate and up rows into one ``2 BLOCK_N``-row weight tile and one dot, so
+    the gated loop is the unfused loop on a taller tile (one load, dequantization and wgmma
+    chain per step; the halves are split once, after the loop).
+
     The reduction does not care in which order a tile's K columns are visited, as long as W and
     X agree, so the weight tile is visited in the order its dequantization produces cheaply and
     the (small) X tile is permuted to match. Planes (K_ORDER 1): position ``j * W + w`` holds
@@ -261,31 +265,33 @@ def _w4a16_tile(
     runs two weights per instruction. Fragments (K_ORDER 3) reads words already permuted so
     that the same registers hold natural K: X is not permuted at all.
     """
-    if EVEN_N:  # an all-true mask: the compiler drops the load predicates
-        n_mask = tl.full([BLOCK_N], True, tl.int1)
+    if GATED:  # gate rows, then the matching up rows: one [2 BLOCK_N, BLOCK_K] weight tile
+        w_rows = tl.reshape(tl.permute(tl.join(offs_n, offs_n + N), (1, 0)), (2 * BLOCK_N,))
+        valid = tl.reshape(tl.permute(tl.join(offs_n, offs_n), (1, 0)), (2 * BLOCK_N,)) < N
     else:
-        n_mask = offs_n < N
+        w_rows, valid = offs_n, offs_n < N
+    if EVEN_N:  # an all-true mask: the compiler drops the load predicates
+        valid = tl.full(valid.shape, True, tl.int1)
     k0 = first_step * BLOCK_K
     offs_k = tl.arange(0, BLOCK_K)
     offs_word = tl.arange(0, BLOCK_K // 8)
     offs_group = tl.arange(0, BLOCK_K // 32)
-    rows_n = offs_n[:, None].to(tl.int64)
+    rows_n = w_rows[:, None].to(tl.int64)
     x_ptrs = x_ptr + a_rows[None, :] * stride_xm + k0 + offs_k[:, None]  # X^T [BLOCK_K, BLOCK_M]
     w_ptrs = w_ptr + expert * stride_we + rows_n * stride_wn + k0 // 8 + offs_word[None, :]
     s_ptrs = s_ptr + expert * stride_se + rows_n * stride_sn + k0 // 32 + offs_group[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((w_rows.shape[0], BLOCK_M), dtype=tl.float32)
     for _ in range(0, num_steps):
         x = _load_x(x_ptrs, row_mask, BLOCK_M, BLOCK_K, K_ORDER, COMPUTE_F32)
-        w = _load_w(w_ptrs, s_ptrs, n_mask, BLOCK_N, BLOCK_K, K_ORDER, COMPUTE_F32)
+        w = _load_w(w_ptrs, s_ptrs, valid, w_rows.shape[0], BLOCK_K, K_ORDER, COMPUTE_F32)
         acc = _mma(w, x, acc, COMPUTE_F32)
-        if GATED:
-            w_up = _load_w(w_ptrs + N * stride_wn, s_ptrs + N * stride_sn, n_mask, BLOCK_N,
-                           BLOCK_K, K_ORDER, COMPUTE_F32)
-            acc_up = _mma(w_up, x, acc_up, COMPUTE_F32)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 8
         s_ptrs += BLOCK_K // 32
+    if GATED:
+        acc, acc_up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+    else:
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     return acc, acc_up
 
 

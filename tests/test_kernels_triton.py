@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 
 from chordq.kernels import (  # noqa: E402
     W4A16Config,
+    choose_n_tiles,
     choose_split_k,
     cos_diff,
     fused_moe,
@@ -233,6 +234,15 @@ def test_column_loop_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="n_tiles"):
         grouped_gemm_contiguous_triton(x, w, s, torch.zeros(2, dtype=torch.int32),
                                        config=W4A16Config(16, 32, 256, n_tiles=2))
+
+
+def test_column_loop_heuristic():
+    decode, prefill = W4A16Config(16, 64, 256), W4A16Config(64, 64, 256)
+    assert choose_n_tiles(decode, blocks=187, n=7168, num_sms=132) == 14  # TP8 down T=32
+    assert choose_n_tiles(prefill, blocks=384, n=7168, num_sms=132) == 28  # T=2048
+    assert choose_n_tiles(decode, blocks=8, n=7168, num_sms=132) == 4  # T=1: fill the SMs
+    assert choose_n_tiles(decode, blocks=3, n=7 * 64, num_sms=132) == 7  # only divisor
+    assert choose_n_tiles(decode, blocks=3, n=64, num_sms=132) == 1  # one column tile
 
 
 def test_split_k_heuristic_fills_thin_grids_only():
