@@ -150,11 +150,14 @@ def choose_config(
     if bm <= 32:
         order = "fragments" if fragments else "pairs"
         bk = _largest_dividing(k, 256)
-        if gated:  # one 128 x 256 weight tile per step, as the unfused decode tile
-            return W4A16Config(bm, min(64, max_bn), bk, 4, 3, k_order=order)
+        if gated:  # one 128 x 256 weight tile per step (plan13: T=1 40.9 µs with 4 stages,
+            # 45.5 with 3, 111.0 as 256 x 256; T=20 226.7, 232.6, 455.3)
+            return W4A16Config(bm, min(64, max_bn), bk, 4, 4 if bm == 16 else 3, k_order=order)
         if bm == 32:
             return W4A16Config(bm, min(128, max_bn), bk, 4, 3, k_order=order)
-        if fragments and n <= 1024:  # TP8 gate_up (N = 512): T=8 44.4 -> 40.2 µs (plan6)
+        if fragments and n <= 1024 and rows_per_expert >= 0.1:
+            # TP8 gate_up (N = 512): T=8 44.4 -> 40.2 µs (plan6); at T=1 (0.02 rows per
+            # expert, split-K) the 64-wide tile below gives twice the programs: 11.4 vs 13.1 µs
             return W4A16Config(bm, min(128, max_bn), bk, 4, 4, k_order=order)
         if fragments:  # 128 registers: 4 CTAs per SM instead of 3
             return W4A16Config(bm, min(64, max_bn), bk, 4, 3, k_order=order, max_registers=128)
