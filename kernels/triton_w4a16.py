@@ -14,6 +14,10 @@ Three routings share one main loop (``_w4a16_tile``):
 * contiguous (``grouped_gemm_contiguous_triton``): rows grouped by expert, ``m_indices [m]``.
 * masked    (``grouped_gemm_masked_triton``): ``[G, max_m, K]`` with ``masked_m [G]`` counts.
 
+When K fits one step (TP8 down, K = 256) the indexed path runs ``_w4a16_indexed_wide_kernel``
+instead (``W4A16Config.n_tiles > 1``): each program loads its X rows once and loops over
+``n_tiles`` column tiles, so the loop that is pipelined runs over N rather than K.
+
 Rows a kernel does not own (sentinel ids, expert -1, padding rows, rows past ``masked_m``) are
 **left unwritten**, as in Chord's contract: their contents are whatever ``out`` held.
 
