@@ -1,8 +1,11 @@
 """Compile one indexed W4A16 config for sm_90 on any machine (no GPU) and summarize its SASS.
 
-Prints the instruction count of each loop body (a backward branch closes one) and the
-opcode histogram of the longest, so variants can be compared before spending GPU time.
-Triton here may be newer than on the GPU machine: compare variants, not absolute counts.
+Prints the instruction count of each loop body (a backward branch closes one), the opcode
+histogram of the longest, the wgmma waits in it (``gsb0, 0x0``: wait for all; ``0x1``: one
+group kept in flight), and ptxas's own verdict on the PTX (registers, and "C7515 Potential
+Performance Loss: wgmma.mma_async instructions are serialized ..." with its reason), so
+variants can be compared before spending GPU time. Triton and ptxas here may be newer than on
+the GPU machine: compare variants, not absolute counts.
 
 usage: python scripts/kernel_lab/sass.py BM BN BK WARPS STAGES K_ORDER [GATED] [N_TILES]
        [--split-m M2] [--dump FILE]
@@ -23,7 +26,7 @@ from chordq.kernels import triton_w4a16 as tw
 from chordq.kernels.triton_config import K_ORDERS
 
 
-def compile_sass(bm, bn, bk, warps, stages, k_order, gated=False, n_tiles=1, n=4096, k=7168):
+def compile_kernel(bm, bn, bk, warps, stages, k_order, gated=False, n_tiles=1):
     wide = n_tiles > 1
     fn = tw._w4a16_indexed_wide_kernel if wide else tw._w4a16_indexed_kernel
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
@@ -41,13 +44,35 @@ def compile_sass(bm, bn, bk, warps, stages, k_order, gated=False, n_tiles=1, n=4
              if name not in consts}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v
                                                       for c, v in consts.items()}, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin", name)
+
+
+def sass_of(kernel) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
-    return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+    return subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True,
                           check=True).stdout
+
+
+def ptxas_verdict(kernel) -> list[str]:
+    """ptxas -v on the kernel's PTX: register count and wgmma serialization warnings (the
+    bundled ``ptxas-blackwell`` also targets sm_90a and reads newer PTX than ``ptxas``)."""
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        open(ptx, "w").write(kernel.asm["ptx"])
+        for name in ("ptxas-blackwell", "ptxas"):
+            r = subprocess.run([_tool(name), "-arch=sm_90a", "-v", ptx, "-o",
+                                os.path.join(d, "k.cubin")], capture_output=True, text=True)
+            if r.returncode == 0:
+                break
+    lines = (r.stdout + r.stderr).splitlines()
+    return [re.sub(r"^ptxas\S*\s+info\s+:\s+", "", ln).split(" in the function")[0]
+            for ln in lines if "Performance Loss" in ln or "Used" in ln or "fatal" in ln]
 
 
 def loops(sass: str) -> list[list[str]]:
@@ -74,8 +99,8 @@ def main() -> None:
     bm, bn, bk, warps, stages = (int(v) for v in a.cfg[:5])
     gated = len(a.cfg) > 6 and a.cfg[6] == "1"
     n_tiles = int(a.cfg[7]) if len(a.cfg) > 7 else 1
-    kw = dict(n=7168, k=256) if n_tiles > 1 else {}
-    sass = compile_sass(bm, bn, bk, warps, stages, a.cfg[5], gated, n_tiles, **kw)
+    kernel = compile_kernel(bm, bn, bk, warps, stages, a.cfg[5], gated, n_tiles)
+    sass = sass_of(kernel)
     if a.dump:
         open(a.dump, "w").write(sass)
     bodies = loops(sass)
@@ -85,6 +110,11 @@ def main() -> None:
         ops = collections.Counter(re.sub(r"^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?", "", ln)
                                   .split()[0].split(".")[0] for ln in big)
         print(" ".join(f"{op}:{c}" for op, c in ops.most_common(24)))
+        body = "\n".join(big)
+        print(f"wgmma waits in the loop: {body.count('gsb0, 0x0')} for all, "
+              f"{body.count('gsb0, 0x1')} keeping one group in flight")
+    for line in ptxas_verdict(kernel):
+        print("ptxas:", line)
 
 
 if __name__ == "__main__":
