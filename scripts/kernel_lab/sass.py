@@ -8,7 +8,7 @@ variants can be compared before spending GPU time. Triton and ptxas here may be 
 the GPU machine: compare variants, not absolute counts.
 
 usage: python scripts/kernel_lab/sass.py BM BN BK WARPS STAGES K_ORDER [GATED] [N_TILES]
-       [--split-m M2] [--dump FILE]
+       [--maxnreg R] [--dump FILE]
 """
 
 import argparse
@@ -26,7 +26,7 @@ from chordq.kernels import triton_w4a16 as tw
 from chordq.kernels.triton_config import K_ORDERS
 
 
-def compile_kernel(bm, bn, bk, warps, stages, k_order, gated=False, n_tiles=1):
+def compile_kernel(bm, bn, bk, warps, stages, k_order, gated=False, n_tiles=1, maxnreg=None):
     wide = n_tiles > 1
     fn = tw._w4a16_indexed_wide_kernel if wide else tw._w4a16_indexed_kernel
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
@@ -45,7 +45,8 @@ def compile_kernel(bm, bn, bk, warps, stages, k_order, gated=False, n_tiles=1):
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v
                                                       for c, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+                          options={"num_warps": warps, "num_stages": stages,
+                                   **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def _tool(name: str) -> str:
@@ -95,11 +96,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("cfg", nargs="+")
     ap.add_argument("--dump")
+    ap.add_argument("--maxnreg", type=int)
     a = ap.parse_args()
     bm, bn, bk, warps, stages = (int(v) for v in a.cfg[:5])
     gated = len(a.cfg) > 6 and a.cfg[6] == "1"
     n_tiles = int(a.cfg[7]) if len(a.cfg) > 7 else 1
-    kernel = compile_kernel(bm, bn, bk, warps, stages, a.cfg[5], gated, n_tiles)
+    kernel = compile_kernel(bm, bn, bk, warps, stages, a.cfg[5], gated, n_tiles, a.maxnreg)
     sass = sass_of(kernel)
     if a.dump:
         open(a.dump, "w").write(sass)
