@@ -411,6 +411,7 @@ def _w4a16_indexed_wide_kernel(
     stride_sn,
     stride_om,
     TOP_K: tl.constexpr,
+    GATED: tl.constexpr,  # must be False (the host checks; _launch_args passes it to all)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -423,6 +424,7 @@ def _w4a16_indexed_wide_kernel(
     rows once and loops over ``N_TILES`` column tiles, so the weight loads of the next tiles are
     in flight while one is dequantized (a one-step K loop has nothing to pipeline), and X is
     read once per ``N_TILES`` tiles instead of once per tile."""
+    tl.static_assert(not GATED, "the column loop has no SiLU-and-mul epilogue")
     expert, routes, row_mask, _ = _indexed_tile(num_m_blocks, ntp_ptr, expert_ids_ptr,
                                                 sorted_ids_ptr, num_routes, BLOCK_M, BLOCK_N)
     if expert < 0:
@@ -655,8 +657,9 @@ def _output(out: torch.Tensor | None, rows: int, n: int, like: torch.Tensor) -> 
 
 
 def _launch_args(cfg: W4A16Config, gated: bool, n: int) -> dict:
+    # EVEN_N: every program's columns lie inside N (a column-looping program covers n_tiles)
     args = dict(GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                K_ORDER=K_ORDERS.index(cfg.k_order), EVEN_N=n % cfg.block_n == 0,
+                K_ORDER=K_ORDERS.index(cfg.k_order), EVEN_N=n % (cfg.block_n * cfg.n_tiles) == 0,
                 COMPUTE_F32=_INTERPRETED,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers and not _INTERPRETED:
@@ -692,13 +695,13 @@ def indexed_config(
     cfg = _resolve_config(config, num_routes / num_experts, n, k, gated, device, w_order,
                           block_m, indexed=True)
     split = cfg.split_k
-    # experts hit by num_routes uniform draws, times blocks per expert
-    touched = num_experts * -math.expm1(-num_routes / num_experts) if num_experts else 0
-    busy_blocks = round(touched) * max(1, round(num_routes / num_experts / cfg.block_m))
-    if config is None and cfg.n_tiles > 1:
-        per = choose_n_tiles(cfg, busy_blocks, n, _num_sms(device))
-        return dataclasses.replace(cfg, n_tiles=per)
     if config is None:
+        # experts hit by num_routes uniform draws, times blocks per expert
+        touched = num_experts * -math.expm1(-num_routes / num_experts) if num_experts else 0
+        busy_blocks = round(touched) * max(1, round(num_routes / num_experts / cfg.block_m))
+        if cfg.n_tiles > 1:
+            per = choose_n_tiles(cfg, busy_blocks, n, _num_sms(device))
+            return dataclasses.replace(cfg, n_tiles=per)
         split = choose_split_k(cfg, busy_blocks * triton.cdiv(n, cfg.block_n), k,
                                _num_sms(device))
     steps = k // cfg.block_k
@@ -768,13 +771,9 @@ def moe_gemm_indexed_triton(
     args = (num_routes, n, k, grid_m, x.stride(0), w_packed.stride(0), w_packed.stride(1),
             w_scale.stride(0), w_scale.stride(1))
     if cfg.n_tiles > 1:
-        wide = cfg.block_n * cfg.n_tiles
-        launch = _launch_args(cfg, gated, n)
-        del launch["GATED"]
-        launch["EVEN_N"] = n % wide == 0
-        _w4a16_indexed_wide_kernel[(grid_m * triton.cdiv(n, wide),)](
+        _w4a16_indexed_wide_kernel[(grid_m * triton.cdiv(n, cfg.block_n * cfg.n_tiles),)](
             x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
-            *args, out.stride(0), TOP_K=top_k, N_TILES=cfg.n_tiles, **launch)
+            *args, out.stride(0), TOP_K=top_k, N_TILES=cfg.n_tiles, **_launch_args(cfg, gated, n))
         return out
     if split == 1:
         _w4a16_indexed_kernel[(grid_m * n_tiles, 1)](

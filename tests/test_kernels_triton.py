@@ -164,22 +164,17 @@ def test_indexed_gpu_tile_shapes(device, cfg):
         check_rows(got, want, torch.ones(m * top_k, dtype=torch.bool))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=str)
-@pytest.mark.parametrize("gated", [False, True])
-def test_indexed_split_k(device, cfg, gated):
-    """Split-K writes exactly the rows the unsplit kernel owns (sentinels, dropped routes and
-    experts on another rank stay unwritten) with the same values."""
-    m, top_k, e, n, k = 9, 4, 8, 128, 256
+def check_indexed_with_remote_expert(device, cfg, m, top_k, e, n, k, remote, activation=None):
+    """The indexed kernel under ``cfg`` against the reference, 15% of routes dropped and expert
+    ``remote`` on another rank: owned rows match, the rest keep SENTINEL."""
     w, s = random_weights(e, n, k, device)
     x = randn_bf16(m, k, device=device)
     topk_ids = random_topk(m, top_k, e, drop=0.15)
     expert_map = torch.arange(e, dtype=torch.int32)
-    expert_map[2] = -1
+    expert_map[remote] = -1
     aligned = moe_align_block_size(topk_ids, cfg.block_m, e, expert_map)
     sorted_ids, expert_ids, ntp = (t.to(device) for t in aligned)
-    activation = "silu_mul" if gated else None
-    out = torch.full((m * top_k, n // 2 if gated else n), SENTINEL, dtype=torch.bfloat16,
+    out = torch.full((m * top_k, n // 2 if activation else n), SENTINEL, dtype=torch.bfloat16,
                      device=device)
     got = moe_gemm_indexed_triton(x, w_scale=s, sorted_token_ids=sorted_ids,
                                   expert_ids=expert_ids, num_tokens_post_padded=ntp, top_k=top_k,
@@ -188,7 +183,17 @@ def test_indexed_split_k(device, cfg, gated):
     want = moe_gemm_indexed_reference(x, w, s, sorted_ids, expert_ids, ntp, top_k, cfg.block_m,
                                       activation=activation)
     flat = topk_ids.reshape(-1)
-    check_rows(got, want, (flat >= 0) & (flat != 2))
+    check_rows(got, want, (flat >= 0) & (flat != remote))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", SPLIT_CONFIGS, ids=str)
+@pytest.mark.parametrize("gated", [False, True])
+def test_indexed_split_k(device, cfg, gated):
+    """Split-K writes exactly the rows the unsplit kernel owns (sentinels, dropped routes and
+    experts on another rank stay unwritten) with the same values."""
+    check_indexed_with_remote_expert(device, cfg, 9, 4, 8, 128, 256, remote=2,
+                                     activation="silu_mul" if gated else None)
 
 
 # Column-looping programs for a one-step K (TP8 down, K = 256): N = 7 * 32 is covered by
@@ -203,22 +208,7 @@ WIDE_CONFIGS = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cfg", WIDE_CONFIGS, ids=str)
 def test_indexed_column_loop(device, cfg):
-    m, top_k, e, n, k = 13, 2, 6, 7 * 32, 256
-    w, s = random_weights(e, n, k, device)
-    x = randn_bf16(m, k, device=device)
-    topk_ids = random_topk(m, top_k, e, drop=0.15)
-    expert_map = torch.arange(e, dtype=torch.int32)
-    expert_map[3] = -1
-    aligned = moe_align_block_size(topk_ids, cfg.block_m, e, expert_map)
-    sorted_ids, expert_ids, ntp = (t.to(device) for t in aligned)
-    out = torch.full((m * top_k, n), SENTINEL, dtype=torch.bfloat16, device=device)
-    got = moe_gemm_indexed_triton(x, w_scale=s, sorted_token_ids=sorted_ids,
-                                  expert_ids=expert_ids, num_tokens_post_padded=ntp, top_k=top_k,
-                                  block_m=cfg.block_m, config=cfg, out=out,
-                                  **kernel_words(w, cfg))
-    want = moe_gemm_indexed_reference(x, w, s, sorted_ids, expert_ids, ntp, top_k, cfg.block_m)
-    flat = topk_ids.reshape(-1)
-    check_rows(got, want, (flat >= 0) & (flat != 3))
+    check_indexed_with_remote_expert(device, cfg, 13, 2, 6, 7 * 32, 256, remote=3)
 
 
 def test_column_loop_rejects_what_it_cannot_run():
