@@ -3,7 +3,7 @@
 Weights are the checkpoint layout itself (chordq.layout): int32 ``[E, N, K/8]`` words, 8 INT4
 codes per word along K (lowest nibble first, code = q + 8), BF16 scales ``[E, N, K/32]``.
 
-Modules: ``reference`` (plain-PyTorch oracles + routing), ``align`` (moe_align_block_size),
+Modules: ``reference`` (plain-PyTorch oracles + routing), ``align`` (moe_align_block_size, moe_align_mixed),
 ``triton_w4a16`` (grouped GEMMs), ``triton_moe_sum`` (top-k sum), ``triton_config`` (tile
 heuristic), ``moe`` (fused_moe dispatch), ``bench`` (H200 benchmark), ``bench_humming`` (the
 same kernels side by side with humming-kernels, same process and inputs).
@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .align import moe_align_block_size
+from .align import moe_align_block_size, moe_align_mixed
 from .moe import fused_moe
 from .reference import (
     cos_diff,
@@ -42,6 +42,8 @@ _LAZY = {
     "W4A16Config": "triton_config",
     "choose_config": "triton_config",
     "choose_n_tiles": "triton_config",
+    "choose_row_tiles": "triton_config",
+    "moe_gemm_mixed_triton": "triton_w4a16",
     "choose_split_k": "triton_config",
     "run_benchmark": "bench",
 }
@@ -50,6 +52,7 @@ __all__ = [
     # Routing and the MoE forward
     "route",
     "moe_align_block_size",
+    "moe_align_mixed",
     "fused_moe",
     # PyTorch references
     "cos_diff",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["moe_align_block_size"]
+__all__ = ["moe_align_block_size", "moe_align_mixed", "mixed_tiles"]
 
 
 def moe_align_block_size(
@@ -68,3 +68,70 @@ def moe_align_block_size(
     num_tokens_post_padded = torch.tensor([num_blocks * block_size], dtype=torch.int32,
                                           device=device)
     return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+def mixed_tiles(counts: torch.Tensor, block_sizes: tuple[int, ...]) -> torch.Tensor:
+    """Rows per expert covered by each tile size: ``[len(block_sizes), E]``, padded.
+
+    ``block_sizes`` descend by halving (e.g. ``(128, 64, 32)``). Each expert takes full tiles of
+    the largest size, then covers its remainder with at most one tile of each smaller size
+    (the binary digits of the remainder rounded up to the smallest size), unless that fills as
+    many rows as one more large tile, which is then taken instead (fewer, better-amortized
+    tiles). 85 rows with ``(128, 64, 32)``: 64 + 32 (96 rows) instead of 128; 170: 128 + 64.
+    """
+    big, small = block_sizes[0], block_sizes[-1]
+    if any(a != 2 * b for a, b in zip(block_sizes, block_sizes[1:])):
+        raise ValueError(f"block sizes must halve one to the next, got {block_sizes}")
+    full = counts // big
+    rest = -(-(counts - full * big) // small) * small  # remainder rounded up to `small`
+    whole = rest == big
+    full, rest = full + whole, torch.where(whole, 0, rest)
+    rows = [full * big] + [rest & s for s in block_sizes[1:]]
+    return torch.stack(rows)
+
+
+def moe_align_mixed(
+    topk_ids: torch.Tensor,
+    block_sizes: tuple[int, ...],
+    num_experts: int,
+    expert_map: torch.Tensor | None = None,
+) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """``moe_align_block_size`` with row tiles of several sizes: one alignment per size.
+
+    Power-of-two tiles pad an expert's rows to the next multiple of the tile: at 128-256 rows
+    per expert (Kimi prefill, EP8 T=1024) a quarter of the 128-row tiles is padding. Here each
+    expert's routes are split between tile sizes (``mixed_tiles``: 170 rows are one 128-row
+    and one 64-row block instead of two 128-row blocks), and each size gets its own
+    ``moe_align_block_size`` buffers (the other sizes' routes masked to -1) trimmed to their
+    live blocks. One indexed GEMM launch per size then writes disjoint output rows.
+
+    :param block_sizes: descending by halving, e.g. ``(128, 64, 32)``
+    :returns: ``[(block_size, (sorted_token_ids, expert_ids, num_tokens_post_padded)), ...]``,
+        largest size first, sizes without routes left out
+    """
+    flat = topk_ids.reshape(-1).long()
+    num_routes = flat.numel()
+    valid = flat >= 0
+    if ((flat < -1) | (flat >= num_experts)).any():
+        raise ValueError(f"topk_ids must lie in [-1, {num_experts}), "
+                         f"got {int(flat.min())}..{int(flat.max())}")
+    counts = torch.bincount(flat[valid], minlength=num_experts)
+    rows = mixed_tiles(counts, tuple(block_sizes))  # [S, E] rows of each size per expert
+    ends = torch.cumsum(rows, 0)  # an expert's routes of rank in [ends[i-1], ends[i]) -> size i
+    # each route's rank within its expert, in route order (as moe_align_block_size keeps it)
+    key = torch.where(valid, flat, num_experts)
+    order = torch.sort(key, stable=True).indices
+    starts = torch.cat([torch.cumsum(counts, 0) - counts, counts.new_zeros(1)])
+    rank = torch.empty_like(flat)
+    rank[order] = torch.arange(num_routes, device=flat.device) - starts[key[order]]
+    size_of = (rank.unsqueeze(0) >= ends[:, flat.clamp(min=0)]).sum(0)
+    pieces = []
+    for i, bs in enumerate(block_sizes):
+        mine = valid & (size_of == i)
+        if not bool(mine.any()):
+            continue
+        ids = torch.where(mine, flat, -1).reshape(topk_ids.shape)
+        sorted_ids, expert_ids, ntp = moe_align_block_size(ids, bs, num_experts, expert_map)
+        blocks = int(ntp[0]) // bs
+        pieces.append((bs, (sorted_ids[: blocks * bs], expert_ids[:blocks], ntp)))
+    return pieces

@@ -495,10 +495,10 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
     :param humming: ``{"layer": HummingLayer, "cfg_cache": {}}``, ``{"error": str}`` or None
     :param chordq_words: the same codes in ``opts.w_order`` (default: ``words``)
     """
-    from .align import moe_align_block_size
+    from .align import moe_align_block_size, moe_align_mixed
     from .reference import moe_gemm_indexed_reference, silu_and_mul_reference
-    from .triton_config import choose_config
-    from .triton_w4a16 import indexed_config, moe_gemm_indexed_triton
+    from .triton_config import choose_config, choose_row_tiles
+    from .triton_w4a16 import indexed_config, moe_gemm_mixed_triton
 
     dev = words.device
     chordq_words = words if chordq_words is None else chordq_words
@@ -526,27 +526,32 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
         try:
             gated = act is not None
             n_out = p.n // 2 if gated else p.n
-            block_m = choose_config(rows_per_expert, n_out, p.k, gated=gated,
-                                    w_order=opts.w_order).block_m
-            aligned = moe_align_block_size(topk_ids, block_m, p.num_experts)
-            # The shipped path: config=None, so the wrapper's heuristic (and split-K) decide.
-            cfg = indexed_config(rows, p.num_experts, n_out, p.k, block_m, activation=act,
-                                 w_order=opts.w_order, device=dev)
+            # The shipped path: the heuristic's row tiles (one size, or several with one launch
+            # per size) and config=None, so the wrapper's heuristic (and split-K) decide.
+            sizes = choose_row_tiles(rows_per_expert, n_out, p.k)
+            if len(sizes) == 1:
+                block_m = choose_config(rows_per_expert, n_out, p.k, gated=gated,
+                                        w_order=opts.w_order).block_m
+                pieces = [(block_m, moe_align_block_size(topk_ids, block_m, p.num_experts))]
+            else:
+                pieces = moe_align_mixed(topk_ids, sizes, p.num_experts)
+            labels = [indexed_config(rows, p.num_experts, n_out, p.k, bm, activation=act,
+                                     w_order=opts.w_order, device=dev).label
+                      for bm, _ in pieces]
             out = torch.empty(rows, n_out, dtype=torch.bfloat16, device=dev)
-            res.update(config=cfg.label, block_m=cfg.block_m)
+            res.update(config=" + ".join(labels), block_m=pieces[0][0])
 
-            def fn(aligned=aligned, block_m=block_m, out=out, act=act):
-                return moe_gemm_indexed_triton(x, chordq_words, scales, *aligned, p.top_k,
-                                               block_m, activation=act, out=out,
-                                               w_order=opts.w_order)
+            def fn(pieces=pieces, out=out, act=act):
+                return moe_gemm_mixed_triton(x, chordq_words, scales, pieces, p.top_k,
+                                             activation=act, out=out, w_order=opts.w_order)
 
             t0 = time.perf_counter()
             fn()
             _sync(dev)
             res["first_call_s"] = time.perf_counter() - t0
             fns[name], outputs[name] = fn, out
-            if ref_aligned is None:
-                ref_aligned = (aligned, cfg.block_m)
+            if ref_aligned is None and len(pieces) == 1:
+                ref_aligned = (pieces[0][1], pieces[0][0])
         except Exception as exc:  # noqa: BLE001
             res["error"] = _err(exc)
             res["traceback"] = traceback.format_exc()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["W4A16Config", "choose_config", "choose_split_k"]
+__all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k"]
 
 GROUP_SIZE = 32
 K_ORDERS = ("natural", "planes", "pairs", "fragments")
@@ -181,6 +181,23 @@ def choose_config(
         return W4A16Config(bm, min(128, max_bn), _largest_dividing(k, 64), 4, 4,
                            k_order="fragments")
     return W4A16Config(bm, min(256, max_bn), _largest_dividing(k, 128), 8, 3, k_order="fragments")
+
+
+def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool = False
+                     ) -> tuple[int, ...]:
+    """Row-tile sizes for ``align.moe_align_mixed``: ``(128, 64, 32)`` for K > N, ``(128, 64)``
+    otherwise, at 128-256 rows per expert; elsewhere the one ``choose_config`` block.
+
+    There two 128-row blocks hold 129-256 rows, up to half of them padding; a 64- (or 32-) row
+    block for the remainder runs less padding, in one more launch. Measured on the H200
+    (scripts/kernel_lab/mixed_tiles.py, 170 rows per expert): EP8 down T=1024 684.6 -> 618.7 µs
+    (128 + 64), TP8 gate_up T=8192 1384.7 -> 1197.1 (128 + 64 + 32), EP8 gate_up T=1024 1297.3
+    -> 1242.9; at 85 rows (64 + 32 instead of 128) and 341 rows it lost or tied, the smaller
+    tiles costing more per row than the padding they save.
+    """
+    if interpret or not 128 < rows_per_expert <= 256:
+        return (_block_m_for(rows_per_expert),)
+    return (128, 64, 32) if k > n else (128, 64)
 
 
 def choose_n_tiles(cfg: W4A16Config, blocks: int, n: int, num_sms: int) -> int:

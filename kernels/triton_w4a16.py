@@ -55,6 +55,7 @@ from .triton_config import (GROUP_SIZE, K_ORDERS, W4A16Config, choose_config, ch
 __all__ = [
     "indexed_config",
     "moe_gemm_indexed_triton",
+    "moe_gemm_mixed_triton",
     "grouped_gemm_contiguous_triton",
     "grouped_gemm_masked_triton",
 ]
@@ -790,6 +791,31 @@ def moe_gemm_indexed_triton(
         partials, out, sorted_token_ids, expert_ids, num_tokens_post_padded, num_routes, n,
         grid_m, n_w, out.stride(0), GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=reduce_n,
         SPLIT_K=split, COMPUTE_F32=_INTERPRETED, num_warps=4)
+    return out
+
+
+def moe_gemm_mixed_triton(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    w_scale: torch.Tensor,
+    pieces: list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+    top_k: int,
+    *,
+    activation: str | None = None,
+    out: torch.Tensor | None = None,
+    w_order: str = "checkpoint",
+) -> torch.Tensor:
+    """``moe_gemm_indexed_triton`` over ``align.moe_align_mixed`` pieces: one launch per row-tile
+    size, each with the heuristic's config for its size, into one output (disjoint rows).
+
+    :param pieces: ``[(block_m, (sorted_token_ids, expert_ids, num_tokens_post_padded)), ...]``
+    Other parameters and the result as for ``moe_gemm_indexed_triton``.
+    """
+    n = _check_weights(x, w_packed, w_scale, _gated(activation))
+    out = _output(out, x.shape[0] * top_k, n, x)
+    for block_m, aligned in pieces:
+        moe_gemm_indexed_triton(x, w_packed, w_scale, *aligned, top_k, block_m,
+                                activation=activation, out=out, w_order=w_order)
     return out
 
 

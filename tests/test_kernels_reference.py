@@ -20,11 +20,13 @@ from chordq.kernels import (
     grouped_gemm_contiguous_reference,
     grouped_gemm_masked_reference,
     moe_align_block_size,
+    moe_align_mixed,
     moe_gemm_indexed_reference,
     moe_sum_reference,
     route,
 )
 
+from chordq.kernels.align import mixed_tiles
 from chordq.layout import pack_codes
 
 # Reference (BF16 weights and intermediates, FP32 accumulation) vs exact float64 math.
@@ -176,6 +178,60 @@ def test_align_matches_loop_and_invariants(m, top_k, e, block_size, with_map):
     assert sorted(valid.tolist()) == (topk_ids.reshape(-1) >= 0).nonzero().squeeze(-1).tolist()
     blocks = sorted_ids[:n].view(-1, block_size) < m * top_k
     assert (blocks.int().diff(dim=1) <= 0).all()
+
+
+def test_mixed_tiles_cover_each_expert_with_least_padding():
+    counts = torch.tensor([0, 1, 32, 33, 64, 85, 96, 97, 128, 170, 200, 255])
+    rows = mixed_tiles(counts, (128, 64, 32))
+    assert rows.tolist() == [
+        [0, 0, 0, 0, 0, 0, 0, 128, 128, 128, 128, 256],  # 97+: one more 128 is no worse
+        [0, 0, 0, 64, 64, 64, 64, 0, 0, 64, 64, 0],
+        [0, 32, 32, 0, 0, 32, 32, 0, 0, 0, 32, 0],
+    ]
+    assert (rows.sum(0) >= counts).all() and (rows.sum(0) - counts < 32).all()
+    assert mixed_tiles(counts, (64,)).tolist() == [(-(-counts // 64) * 64).tolist()]
+    with pytest.raises(ValueError, match="halve"):
+        mixed_tiles(counts, (128, 32))
+
+
+@pytest.mark.parametrize("sizes", [(64, 32, 16), (32, 16), (16,)])
+@pytest.mark.parametrize("with_map", [False, True])
+def test_align_mixed_pieces(sizes, with_map):
+    """Every kept route lands in exactly one block of one size; each piece is a valid
+    moe_align_block_size result trimmed to its live blocks; an expert's rows of each size are
+    those mixed_tiles gives it."""
+    m, top_k, e = 90, 4, 6
+    g = torch.Generator().manual_seed(5)
+    # skewed routing: experts get 1..~140 rows, so every size is used
+    probs = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.05])
+    topk_ids = torch.stack([torch.multinomial(probs, top_k, generator=g) for _ in range(m)])
+    topk_ids = topk_ids.to(torch.int32)
+    topk_ids[torch.rand(m, top_k, generator=g) < 0.1] = -1
+    expert_map = None
+    if with_map:
+        expert_map = torch.arange(e, dtype=torch.int32)
+        expert_map[2] = -1
+    pieces = moe_align_mixed(topk_ids, sizes, e, expert_map)
+    flat = topk_ids.reshape(-1)
+    counts = torch.bincount(flat[flat >= 0].long(), minlength=e)
+    want_rows = mixed_tiles(counts, sizes)
+    seen = []
+    assert [bs for bs, _ in pieces] == [bs for bs, r in zip(sizes, want_rows) if r.sum() > 0]
+    for bs, (sorted_ids, expert_ids, ntp) in pieces:
+        i = sizes.index(bs)
+        assert sorted_ids.numel() == int(ntp[0]) == expert_ids.numel() * bs
+        blocks = sorted_ids.view(-1, bs)
+        assert ((blocks < m * top_k).int().diff(dim=1) <= 0).all()  # valid ids first
+        per_expert = torch.zeros(e, dtype=torch.long)
+        for b, ex in enumerate(expert_ids.tolist()):
+            owner = flat[blocks[b][blocks[b] < m * top_k].long()].long()
+            assert owner.numel() > 0 and (owner == owner[0]).all()  # one expert per block
+            want_ex = int(owner[0]) if expert_map is None else int(expert_map[owner[0]])
+            assert ex == want_ex
+            per_expert[owner[0]] += bs
+        assert per_expert.tolist() == want_rows[i].tolist()
+        seen += sorted_ids[sorted_ids < m * top_k].tolist()
+    assert sorted(seen) == (flat >= 0).nonzero().squeeze(-1).tolist()
 
 
 def test_align_empty_and_all_dropped():

@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 from chordq.kernels import (  # noqa: E402
     W4A16Config,
     choose_n_tiles,
+    choose_row_tiles,
     choose_split_k,
     cos_diff,
     fused_moe,
@@ -30,8 +31,10 @@ from chordq.kernels import (  # noqa: E402
     grouped_gemm_masked_reference,
     grouped_gemm_masked_triton,
     moe_align_block_size,
+    moe_align_mixed,
     moe_gemm_indexed_reference,
     moe_gemm_indexed_triton,
+    moe_gemm_mixed_triton,
     moe_sum_reference,
     moe_sum_triton,
     route,
@@ -211,6 +214,37 @@ def test_indexed_column_loop(device, cfg):
     check_indexed_with_remote_expert(device, cfg, 13, 2, 6, 7 * 32, 256, remote=3)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sizes", [(64, 32, 16), (32, 16)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_mixed_row_tiles(device, sizes, gated):
+    """One launch per row-tile size (align.moe_align_mixed) writes the rows one alignment
+    would, with the same values; dropped routes and a remote expert's rows stay unwritten."""
+    m, top_k, e, n, k, remote = 100, 3, 5, 64, 128, 3
+    w, s = random_weights(e, n, k, device)
+    x = randn_bf16(m, k, device=device)
+    g = torch.Generator().manual_seed(6)
+    probs = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.2])  # ~10..100 rows per expert: every size
+    topk_ids = torch.stack([torch.multinomial(probs, top_k, generator=g) for _ in range(m)])
+    topk_ids = topk_ids.to(torch.int32)
+    topk_ids[torch.rand(m, top_k, generator=g) < 0.1] = -1
+    expert_map = torch.arange(e, dtype=torch.int32)
+    expert_map[remote] = -1
+    pieces = [(bs, tuple(t.to(device) for t in aligned))
+              for bs, aligned in moe_align_mixed(topk_ids, sizes, e, expert_map)]
+    assert [bs for bs, _ in pieces] == list(sizes)
+    activation = "silu_mul" if gated else None
+    out = torch.full((m * top_k, n // 2 if gated else n), SENTINEL, dtype=torch.bfloat16,
+                     device=device)
+    got = moe_gemm_mixed_triton(x, w, s, pieces, top_k, activation=activation, out=out)
+    assert got is out
+    aligned = moe_align_block_size(topk_ids, 16, e, expert_map)
+    want = moe_gemm_indexed_reference(x, w, s, *(t.to(device) for t in aligned), top_k, 16,
+                                      activation=activation)
+    flat = topk_ids.reshape(-1)
+    check_rows(got, want, (flat >= 0) & (flat != remote))
+
+
 def test_column_loop_rejects_what_it_cannot_run():
     w, s = random_weights(2, 64, 256, "cpu")
     x = randn_bf16(2, 256, device="cpu")
@@ -233,6 +267,16 @@ def test_column_loop_heuristic():
     assert choose_n_tiles(decode, blocks=8, n=7168, num_sms=132) == 4  # T=1: fill the SMs
     assert choose_n_tiles(decode, blocks=3, n=7 * 64, num_sms=132) == 7  # only divisor
     assert choose_n_tiles(decode, blocks=3, n=64, num_sms=132) == 1  # one column tile
+
+
+def test_row_tiles_heuristic():
+    assert choose_row_tiles(170.7, 4096, 7168) == (128, 64, 32)  # EP8 gate_up T=1024
+    assert choose_row_tiles(170.7, 7168, 2048) == (128, 64)  # EP8 down T=1024
+    assert choose_row_tiles(170.7, 512, 7168) == (128, 64, 32)  # TP8 gate_up T=8192
+    assert choose_row_tiles(85.3, 4096, 7168) == (128,)  # T=512: smaller tiles lost
+    assert choose_row_tiles(341.3, 4096, 7168) == (128,)  # T=2048: tie
+    assert choose_row_tiles(0.2, 4096, 7168) == (16,)
+    assert choose_row_tiles(170.7, 4096, 7168, interpret=True) == (128,)
 
 
 def test_split_k_heuristic_fills_thin_grids_only():
@@ -326,6 +370,26 @@ def test_fused_moe_matches_reference(device, m, h, i, e, top_k, used):
     want = fused_moe_reference(*args)
     assert got.dtype == torch.bfloat16 and got.shape == (m, h)
     assert cos_diff(got.cpu(), want.cpu()) <= MAX_COS_DIFF
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_moe_mixed_row_tiles(device, monkeypatch):
+    """fused_moe with the mixed alignment (the heuristic's choice at 128-256 rows per expert,
+    forced here at a size the interpreter runs quickly) equals the reference."""
+    from chordq.kernels import triton_config
+
+    m, h, i, e, top_k = 24, 128, 64, 3, 2
+    w13, s13 = random_weights(e, 2 * i, h, device, seed=3)
+    w2, s2 = random_weights(e, h, i, device, seed=4)
+    x = randn_bf16(m, h, device=device)
+    topk_weights, topk_ids = route(torch.randn(m, e), torch.zeros(e), top_k, 1.0)
+    args = (x, w13, s13, w2, s2, topk_weights.to(device), topk_ids.to(device))
+    calls = []
+    monkeypatch.setattr(triton_config, "choose_row_tiles",
+                        lambda *a, **kw: calls.append(a) or (32, 16))
+    got = fused_moe(*args, impl="triton")
+    assert calls  # the mixed path ran
+    assert cos_diff(got.cpu(), fused_moe_reference(*args).cpu()) <= MAX_COS_DIFF
 
 
 @pytest.mark.parametrize("device", DEVICES)
