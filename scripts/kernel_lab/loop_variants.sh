@@ -21,7 +21,7 @@ for name in ${VARIANTS:-base ws unroll2 assume}; do
   sed -i "s/$loop/${variants[$name]}/" "$src"
   grep -q "${variants[$name]%%\\n*}" "$src" || { echo "== $name: patch did not apply"; continue; }
   echo "== $name"
-  OUT=$OUT/$name LAB_BUDGET_S=150 python3 scripts/kernel_lab/run_plan.py "$plan" 2>&1 \
-    | grep -v Warning | sed 's/ cos=[^ ]*//' | tail -16
+  OUT=$OUT/$name LAB_BUDGET_S=${LAB_BUDGET_S:-150} python3 scripts/kernel_lab/run_plan.py "$plan" 2>&1 \
+    | grep -v Warning | sed 's/ cos=[^ ]*//' | tail -40
 done
 cp /tmp/triton_w4a16.orig.py "$src"
