@@ -16,6 +16,8 @@ kernels rely only on "valid ids first, then sentinels" inside each block). Route
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 __all__ = ["moe_align_block_size", "moe_align_mixed", "mixed_tiles"]
@@ -80,7 +82,7 @@ def mixed_tiles(counts: torch.Tensor, block_sizes: tuple[int, ...]) -> torch.Ten
     tiles). 85 rows with ``(128, 64, 32)``: 64 + 32 (96 rows) instead of 128; 170: 128 + 64.
     """
     big, small = block_sizes[0], block_sizes[-1]
-    if any(a != 2 * b for a, b in zip(block_sizes, block_sizes[1:])):
+    if any(a != 2 * b for a, b in itertools.pairwise(block_sizes)):
         raise ValueError(f"block sizes must halve one to the next, got {block_sizes}")
     full = counts // big
     rest = -(-(counts - full * big) // small) * small  # remainder rounded up to `small`

@@ -8,7 +8,14 @@ default; TP8 384 experts, gate_up N=512 K=7168, down N=7168 K=256), top-8, rando
 16 levels and a uniform routing draw per (layout, T).
 "fragments" configs get ``chordq.layout.fragment_order`` words (converted once, untimed).
 
-Usage (repo root, GPU machine): ``OUT=/tmp/lab python scripts/kernel_lab/run_plan.py
+The configs of one item are timed together, their CUDA-graph replays interleaved (as the
+side-by-side bench does), so clock and thermal drift hit every config alike (timed one after
+another, lab and bench disagreed by more than the effect measured: variant 17 in
+docs/kernel_notes.md). ``LAB_DRAWS`` repeats each item over new
+routing draws, ``LAB_REPS`` sets the interleaved repetitions (median), ``LAB_BUDGET_S`` stops
+starting new items.
+
+Usage (repo root, GPU machine): ``OUT=/tmp/lab [LAB_DRAWS=2] python scripts/kernel_lab/run_plan.py
 scripts/kernel_lab/plan3.json`` -> one line per config and ``$OUT/lab.json``.
 """
 
@@ -20,7 +27,7 @@ import time
 import torch
 
 from chordq.kernels import bench as B
-from chordq.kernels.bench_humming import LAYOUTS, floor_model
+from chordq.kernels.bench_humming import LAYOUTS, floor_model, time_graphs
 from chordq.kernels.align import moe_align_block_size
 from chordq.kernels.reference import cos_diff, moe_gemm_indexed_reference
 from chordq.kernels.triton_config import W4A16Config
@@ -31,11 +38,16 @@ from chordq.layout import fragment_order
 def main(plan_path: str) -> None:
     out_dir = os.environ.get("OUT", "/tmp/lab")
     budget_s = float(os.environ.get("LAB_BUDGET_S", "480"))
+    draws = int(os.environ.get("LAB_DRAWS", "1"))  # routing draws per item
+    reps = int(os.environ.get("LAB_REPS", "5"))  # interleaved graph replays per config
     os.makedirs(out_dir, exist_ok=True)
     plan = json.loads(open(plan_path).read())
     gen = torch.Generator(device="cuda").manual_seed(0)
-    weights, routings, frag, results, start = {}, {}, {}, [], time.time()
-    for item in plan:
+    weights, frag, results, start = {}, {}, [], time.time()
+    for item, draw in ((item, d) for item in plan for d in range(draws)):
+        if time.time() - start > budget_s:
+            print("time budget reached", flush=True)
+            break
         proj, tokens, act = item["proj"], item["T"], item.get("act")
         layout = item.get("layout", "EP8")
         p = next(q for q in LAYOUTS[layout] if q.proj == proj)
@@ -47,21 +59,16 @@ def main(plan_path: str) -> None:
                                                           generator=gen, device="cuda")))
             weights[key] = (words, scale.to(torch.bfloat16))
         w, s = weights[key]
-        if (layout, tokens) not in routings:
-            scores = torch.rand(tokens, p.num_experts, generator=gen, device="cuda")
-            routings[(layout, tokens)] = scores.topk(8, dim=-1).indices.to(torch.int32)
-        topk = routings[(layout, tokens)]
+        topk = torch.rand(tokens, p.num_experts, generator=gen,
+                          device="cuda").topk(8, dim=-1).indices.to(torch.int32)
         rows = 8 * tokens
         x = torch.randn(p.input_rows(tokens), p.k, generator=gen,
                         device="cuda").to(torch.bfloat16)
         top_k = p.top_k
         n_out = p.n // 2 if act else p.n
         floor_us = floor_model(p, tokens, int(torch.unique(topk).numel()))["floor_us"]
-        want = None
+        wants, fns, rec = {}, {}, {}
         for c in item["configs"]:
-            if time.time() - start > budget_s:
-                print("time budget reached", flush=True)
-                break
             cfg = W4A16Config(*c[:5], k_order=c[5], split_k=c[6] if len(c) > 6 else 1,
                               max_registers=c[7] if len(c) > 7 else None,
                               n_tiles=c[8] if len(c) > 8 else 1)
@@ -84,17 +91,30 @@ def main(plan_path: str) -> None:
                 print(f"{layout} {proj} T={tokens} {cfg.label} FAILED {type(exc).__name__}: "
                       f"{str(exc)[:300]}", flush=True)
                 continue
-            if want is None:
-                want = moe_gemm_indexed_reference(x, w, s, *aligned, top_k, cfg.block_m,
-                                                  activation=act)
-            r = {"layout": layout, "proj": proj, "T": tokens, "act": act, "config": cfg.label,
-                 "cos_diff": cos_diff(got, want), "graph_us": B._time_graph(fn, 5)}
+            if cfg.block_m not in wants:
+                wants[cfg.block_m] = moe_gemm_indexed_reference(
+                    x, w, s, *aligned, top_k, cfg.block_m, activation=act)
+            fns[cfg.label] = fn
+            rec[cfg.label] = {"layout": layout, "proj": proj, "T": tokens, "act": act,
+                              "draw": draw, "config": cfg.label,
+                              "cos_diff": cos_diff(got, wants[cfg.block_m])}
+        # interleaved repetitions (A B C, C B A, ...)
+        base = None
+        for label, t in time_graphs(fns, reps, B.GRAPH_CALLS).items():
+            r = rec[label]
+            r["graph_us"] = t.get("graph_us")
+            if not r["graph_us"]:
+                print(f"{layout} {proj} T={tokens} {label} graph failed: {t}", flush=True)
+                continue
+            base = base or r["graph_us"]
             r["pct_of_floor"] = 100 * floor_us / r["graph_us"]
+            r["vs_first"] = r["graph_us"] / base
             results.append(r)
-            print(f"{layout} {proj:7s} {str(act):8s} T={tokens:5d} {cfg.label:26s} "
+            print(f"{layout} {proj:7s} {str(act):8s} T={tokens:5d} draw {draw} {label:26s} "
                   f"cos={r['cos_diff']:.1e} {r['graph_us']:8.1f} µs "
-                  f"{r['pct_of_floor']:5.1f}% of floor", flush=True)
-            json.dump(results, open(f"{out_dir}/lab.json", "w"), indent=1)
+                  f"{r['pct_of_floor']:5.1f}% of floor  x{r['vs_first']:.3f} of the first",
+                  flush=True)
+        json.dump(results, open(f"{out_dir}/lab.json", "w"), indent=1)
 
 
 if __name__ == "__main__":
