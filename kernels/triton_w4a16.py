@@ -11,6 +11,8 @@ Three routings share one main loop (``_w4a16_tile``):
 
 * indexed   (``moe_gemm_indexed_triton``): vLLM's ``moe_align_block_size`` buffers; route id
   ``r`` reads row ``r // top_k`` (gate_up) or row ``r`` (down, ``top_k=1``).
+  ``moe_gemm_mixed_triton`` runs it once per row-tile size over ``align.moe_align_mixed``
+  pieces (less padding at 128-256 rows per expert).
 * contiguous (``grouped_gemm_contiguous_triton``): rows grouped by expert, ``m_indices [m]``.
 * masked    (``grouped_gemm_masked_triton``): ``[G, max_m, K]`` with ``masked_m [G]`` counts.
 
