@@ -20,7 +20,13 @@ import itertools
 
 import torch
 
-__all__ = ["moe_align_block_size", "moe_align_mixed", "mixed_tiles"]
+__all__ = ["moe_align_block_size", "moe_align_mixed", "align_row_tiles", "mixed_tiles"]
+
+
+def _check_expert_ids(flat: torch.Tensor, num_experts: int) -> None:
+    if ((flat < -1) | (flat >= num_experts)).any():
+        raise ValueError(f"topk_ids must lie in [-1, {num_experts}), "
+                         f"got {int(flat.min())}..{int(flat.max())}")
 
 
 def moe_align_block_size(
@@ -43,9 +49,7 @@ def moe_align_block_size(
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     num_routes = flat.numel()
-    if ((flat < -1) | (flat >= num_experts)).any():
-        raise ValueError(f"topk_ids must lie in [-1, {num_experts}), "
-                         f"got {int(flat.min())}..{int(flat.max())}")
+    _check_expert_ids(flat, num_experts)
     capacity = num_routes + num_experts * (block_size - 1)
     sorted_token_ids = torch.full((capacity,), num_routes, dtype=torch.int32, device=device)
     expert_ids = torch.zeros(-(-capacity // block_size), dtype=torch.int32, device=device)
@@ -114,9 +118,7 @@ def moe_align_mixed(
     flat = topk_ids.reshape(-1).long()
     num_routes = flat.numel()
     valid = flat >= 0
-    if ((flat < -1) | (flat >= num_experts)).any():
-        raise ValueError(f"topk_ids must lie in [-1, {num_experts}), "
-                         f"got {int(flat.min())}..{int(flat.max())}")
+    _check_expert_ids(flat, num_experts)
     counts = torch.bincount(flat[valid], minlength=num_experts)
     rows = mixed_tiles(counts, tuple(block_sizes))  # [S, E] rows of each size per expert
     ends = torch.cumsum(rows, 0)  # an expert's routes of rank in [ends[i-1], ends[i]) -> size i
@@ -137,3 +139,19 @@ def moe_align_mixed(
         blocks = int(ntp[0]) // bs
         pieces.append((bs, (sorted_ids[: blocks * bs], expert_ids[:blocks], ntp)))
     return pieces
+
+
+def align_row_tiles(
+    topk_ids: torch.Tensor,
+    block_sizes: tuple[int, ...],
+    num_experts: int,
+    expert_map: torch.Tensor | None = None,
+) -> list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """The alignment for ``triton_config.choose_row_tiles``' sizes, as pieces for
+    ``moe_gemm_mixed_triton``: one size, ``moe_align_block_size``'s buffers as they are;
+    several, ``moe_align_mixed``.
+    """
+    if len(block_sizes) == 1:
+        bs = block_sizes[0]
+        return [(bs, moe_align_block_size(topk_ids, bs, num_experts, expert_map))]
+    return moe_align_mixed(topk_ids, block_sizes, num_experts, expert_map)

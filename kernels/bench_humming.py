@@ -8,8 +8,9 @@ What runs (kernels.md §4-§5):
   switches to the 22-29% slower ``float4e0m3`` path, which this module refuses to time) and BF16
   group-32 scales are handed to chordq and to ``HummingLayer.load_from_tensors``.
 * **Same routing.** One uniform top-8 draw per (layout, T), shared by gate_up and down, aligned
-  separately to each kernel's own block size: chordq's ``choose_config`` block_m with
-  ``chordq.kernels.align.moe_align_block_size``, Humming's heuristic ``block_shape[0]`` with
+  separately to each kernel's own block size: chordq's ``choose_row_tiles`` blocks with
+  ``chordq.kernels.align.align_row_tiles`` (``moe_align_block_size``, or ``moe_align_mixed``
+  at 128-256 rows per expert), Humming's heuristic ``block_shape[0]`` with
   ``humming.testing.data.generate_moe_tensors`` (chordq's aligner as a fallback; same contract).
 * **Shapes.** EP8 (48 local experts): gate_up N=4096 K=7168, down N=7168 K=2048. TP8 (384
   experts): gate_up N=512 K=7168, down N=7168 K=256. T tokens per GPU, 8T routed rows.
@@ -495,9 +496,9 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
     :param humming: ``{"layer": HummingLayer, "cfg_cache": {}}``, ``{"error": str}`` or None
     :param chordq_words: the same codes in ``opts.w_order`` (default: ``words``)
     """
-    from .align import moe_align_block_size, moe_align_mixed
+    from .align import align_row_tiles, moe_align_block_size
     from .reference import moe_gemm_indexed_reference, silu_and_mul_reference
-    from .triton_config import choose_config, choose_row_tiles
+    from .triton_config import choose_row_tiles
     from .triton_w4a16 import indexed_config, moe_gemm_mixed_triton
 
     dev = words.device
@@ -528,13 +529,8 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
             n_out = p.n // 2 if gated else p.n
             # The shipped path: the heuristic's row tiles (one size, or several with one launch
             # per size) and config=None, so the wrapper's heuristic (and split-K) decide.
-            sizes = choose_row_tiles(rows_per_expert, n_out, p.k)
-            if len(sizes) == 1:
-                block_m = choose_config(rows_per_expert, n_out, p.k, gated=gated,
-                                        w_order=opts.w_order).block_m
-                pieces = [(block_m, moe_align_block_size(topk_ids, block_m, p.num_experts))]
-            else:
-                pieces = moe_align_mixed(topk_ids, sizes, p.num_experts)
+            pieces = align_row_tiles(topk_ids, choose_row_tiles(rows_per_expert, n_out, p.k),
+                                     p.num_experts)
             labels = [indexed_config(rows, p.num_experts, n_out, p.k, bm, activation=act,
                                      w_order=opts.w_order, device=dev).label
                       for bm, _ in pieces]

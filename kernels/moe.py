@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .align import moe_align_block_size, moe_align_mixed
+from .align import align_row_tiles
 from .reference import fused_moe_reference
 from .triton_config import W_ORDERS
 
@@ -113,25 +113,18 @@ def _fused_moe_triton(
     w_order: str,
 ) -> torch.Tensor:
     # Imported here so the reference path works where Triton is not installed.
-    from .triton_config import choose_config, choose_row_tiles
+    from .triton_config import choose_row_tiles
     from .triton_moe_sum import moe_sum_triton
     from .triton_w4a16 import moe_gemm_mixed_triton
 
     m, h = x.shape
     e, two_i, _ = w13_packed.shape
     top_k = topk_ids.shape[1]
-    rows_per_expert = m * top_k / e
-    interpret = x.device.type == "cpu"
     # One alignment serves both GEMMs: its blocks are the gate_up tiles' row counts (one size,
     # or 128 + 64 + 32 at 128-256 rows per expert), and the wrappers' own heuristic (same
     # shapes, so the same tiles, plus split-K for thin grids) picks the rest.
-    sizes = choose_row_tiles(rows_per_expert, two_i // 2, h, interpret=interpret)
-    if len(sizes) == 1:
-        block_m = choose_config(rows_per_expert, two_i // 2, h, gated=True, w_order=w_order,
-                                interpret=interpret).block_m
-        pieces = [(block_m, moe_align_block_size(topk_ids, block_m, e))]
-    else:
-        pieces = moe_align_mixed(topk_ids, sizes, e)
+    sizes = choose_row_tiles(m * top_k / e, two_i // 2, h, interpret=x.device.type == "cpu")
+    pieces = align_row_tiles(topk_ids, sizes, e)
     act = moe_gemm_mixed_triton(x, w13_packed, w13_scale, pieces, top_k, activation="silu_mul",
                                 w_order=w_order)
     y = moe_gemm_mixed_triton(act, w2_packed, w2_scale, pieces, 1, w_order=w_order)

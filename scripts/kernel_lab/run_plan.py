@@ -67,7 +67,7 @@ def main(plan_path: str) -> None:
         top_k = p.top_k
         n_out = p.n // 2 if act else p.n
         floor_us = floor_model(p, tokens, int(torch.unique(topk).numel()))["floor_us"]
-        wants, fns, rec = {}, {}, {}
+        want, fns, rec = None, {}, {}
         for c in item["configs"]:
             cfg = W4A16Config(*c[:5], k_order=c[5], split_k=c[6] if len(c) > 6 else 1,
                               max_registers=c[7] if len(c) > 7 else None,
@@ -91,13 +91,13 @@ def main(plan_path: str) -> None:
                 print(f"{layout} {proj} T={tokens} {cfg.label} FAILED {type(exc).__name__}: "
                       f"{str(exc)[:300]}", flush=True)
                 continue
-            if cfg.block_m not in wants:
-                wants[cfg.block_m] = moe_gemm_indexed_reference(
-                    x, w, s, *aligned, top_k, cfg.block_m, activation=act)
+            if want is None:  # every alignment routes the same rows: one reference per item
+                want = moe_gemm_indexed_reference(x, w, s, *aligned, top_k, cfg.block_m,
+                                                  activation=act)
             fns[cfg.label] = fn
             rec[cfg.label] = {"layout": layout, "proj": proj, "T": tokens, "act": act,
                               "draw": draw, "config": cfg.label,
-                              "cos_diff": cos_diff(got, wants[cfg.block_m])}
+                              "cos_diff": cos_diff(got, want)}
         # interleaved repetitions (A B C, C B A, ...)
         base = None
         for label, t in time_graphs(fns, reps, B.GRAPH_CALLS).items():
