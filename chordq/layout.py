@@ -78,6 +78,14 @@ the 8 codes of one word are exactly what one thread holds of a BF16 tensor-core 
 (k16 columns ``2t, 2t+1, 2t+8, 2t+9`` of two consecutive k16 chunks), so a word dequantizes
 in place into the registers the MMA reads. Requires ``K % 32 == 0``.
 
+chordq's subnormal scales, ``subnormal_scales(scale)`` (the Triton kernels'
+``k_order="subnormal"``, read with fragment-order words): BF16, same shape, every scale times
+``2**129`` (exact: a power of two). A BF16 whose bits are below ``0x100`` is worth
+``bits * 2**-133``, so the kernel masks a code into bits 4-7 of each BF16 half (``code *
+2**-129``) and one fma with the stored scale and ``-8 s`` gives ``bf16((code - 8) * s)``, the
+reference's value, in 12 instructions per word instead of 15. Scales must satisfy ``|s| <
+0.498`` (larger ones would overflow BF16).
+
 Grouped scale, ``chord_grouped_scale(scale)``: the plain transpose ``[E, K/32, N]`` (N
 contiguous), no 8 x 8 permutation. Requires ``N % 64 == 0``.
 """
@@ -105,6 +113,9 @@ __all__ = [
     "chord_grouped_scale_inverse",
     "fragment_order",
     "fragment_order_inverse",
+    "SUBNORMAL_SCALE_EXP",
+    "subnormal_scales",
+    "subnormal_scales_inverse",
 ]
 
 PACK_FACTOR = 8  # int4 codes per int32 word
@@ -426,6 +437,29 @@ def fragment_order_inverse(words: torch.Tensor) -> torch.Tensor:
     codes = _group_codes(words)
     inverse = torch.argsort(_fragment_source()).to(words.device)
     return pack_codes(codes[..., inverse].flatten(-2))
+
+
+SUBNORMAL_SCALE_EXP = 129  # subnormal_scales stores s * 2**129
+
+
+def subnormal_scales(scale: torch.Tensor) -> torch.Tensor:
+    """BF16 scales -> the same scales times ``2**129`` (docstring above); ValueError naming the
+    largest ``|s|`` when one is too large to scale (``|s| >= 0.498``) or not finite."""
+    if scale.dtype != torch.bfloat16:
+        raise ValueError(f"subnormal_scales takes BF16 scales, got {scale.dtype}")
+    out = torch.ldexp(scale.double(), torch.tensor(SUBNORMAL_SCALE_EXP, dtype=torch.float64,
+                                                   device=scale.device)).to(torch.bfloat16)
+    if not bool(torch.isfinite(out).all()):
+        worst = float(scale.float().abs().nan_to_num(float("inf")).max())
+        raise ValueError(f"a scale of magnitude {worst:g} does not fit the subnormal "
+                         "dequantization (|s| < 0.498): use k_order 'fragments'")
+    return out
+
+
+def subnormal_scales_inverse(scale: torch.Tensor) -> torch.Tensor:
+    """Exact inverse of :func:`subnormal_scales`."""
+    return torch.ldexp(scale.double(), torch.tensor(-SUBNORMAL_SCALE_EXP, dtype=torch.float64,
+                                                    device=scale.device)).to(torch.bfloat16)
 
 
 def _group_codes(words: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ from chordq.layout import (
     fragment_order_inverse,
     pack_codes,
     pack_int4,
+    subnormal_scales,
+    subnormal_scales_inverse,
     unpack_codes,
     unpack_int4,
 )
@@ -80,6 +82,21 @@ def test_fragment_order_golden_words():
     words = pack_codes(torch.arange(64).remainder(16).reshape(1, 64))
     got = [w & 0xFFFFFFFF for w in fragment_order(words)[0].tolist()]
     assert got == [0x91918080, 0xB3B3A2A2, 0xD5D5C4C4, 0xF7F7E6E6] * 2
+
+
+def test_subnormal_scales_golden_bits_and_range():
+    # times 2**129: the exponent field grows by 129, sign and mantissa bits stay; a BF16
+    # subnormal scale (2**-133, bits 0x0001) becomes 2**-4, and 0.498 (0x3EFF) the largest
+    # finite BF16 (0x7F7F)
+    s = torch.tensor([-0.01, 2**-133, 0.0, 0.498], dtype=torch.bfloat16)
+    assert [b & 0xFFFF for b in s.view(torch.int16).tolist()] == [0xBC24, 0x0001, 0, 0x3EFF]
+    got = subnormal_scales(s)
+    assert [b & 0xFFFF for b in got.view(torch.int16).tolist()] == [0xFCA4, 0x3D80, 0, 0x7F7F]
+    assert torch.equal(subnormal_scales_inverse(got), s)
+    with pytest.raises(ValueError, match="magnitude 0.5 "):
+        subnormal_scales(torch.tensor([0.01, -0.5], dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="BF16"):
+        subnormal_scales(s.float())
 
 
 def test_fragment_order_round_trip_stays_in_group():
