@@ -3,10 +3,11 @@
 Weights are the checkpoint layout itself (chordq.layout): int32 ``[E, N, K/8]`` words, 8 INT4
 codes per word along K (lowest nibble first, code = q + 8), BF16 scales ``[E, N, K/32]``.
 
-Modules: ``reference`` (plain-PyTorch oracles + routing), ``align`` (moe_align_block_size, moe_align_mixed),
-``triton_w4a16`` (grouped GEMMs), ``triton_moe_sum`` (top-k sum), ``triton_config`` (tile
-heuristic), ``moe`` (fused_moe dispatch), ``bench`` (H200 benchmark), ``bench_humming`` (the
-same kernels side by side with humming-kernels, same process and inputs).
+Modules: ``reference`` (plain-PyTorch oracles + routing), ``align`` (moe_align_block_size,
+moe_align_mixed), ``triton_w4a16`` (grouped GEMMs), ``triton_moe_sum`` (top-k sum),
+``triton_config`` (tile heuristic), ``moe`` (fused_moe dispatch, prepare_weights), ``bench``
+(H200 benchmark), ``bench_humming`` (the same kernels side by side with humming-kernels, same
+process and inputs).
 
 The Triton-backed names are imported lazily, on first use, so ``route``, ``fused_moe(...,
 impl="reference")`` and the references work without Triton, and so ``TRITON_INTERPRET`` may be
@@ -19,7 +20,7 @@ import importlib
 from typing import Any
 
 from .align import moe_align_block_size, moe_align_mixed
-from .moe import fused_moe
+from .moe import fused_moe, prepare_weights
 from .reference import (
     cos_diff,
     dequantize,
@@ -54,6 +55,7 @@ __all__ = [
     "moe_align_block_size",
     "moe_align_mixed",
     "fused_moe",
+    "prepare_weights",
     # PyTorch references
     "cos_diff",
     "dequantize",

@@ -484,17 +484,29 @@ class Options:
     fused: bool = True
     check_routes: int = 2048
     seed: int = 0
-    w_order: str = "fragments"  # chordq's words: converted once, like Humming's transform()
+    w_order: str = "subnormal"  # chordq's weights: converted once, like Humming's transform()
+
+
+def convert_weights(words: torch.Tensor, scales: torch.Tensor, w_order: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint words and scales -> the layout ``w_order`` names (untimed, once per shape)."""
+    from chordq.layout import fragment_order, subnormal_scales
+
+    if w_order == "checkpoint":
+        return words, scales
+    return fragment_order(words), subnormal_scales(scales) if w_order == "subnormal" else scales
 
 
 def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Tensor,
                 scales: torch.Tensor, humming: dict | None, opts: Options,
-                chordq_words: torch.Tensor | None = None) -> dict[str, Any]:
+                chordq_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> dict[str, Any]:
     """Check, then time, chordq (and Humming when ``humming`` holds a layer) at one shape.
 
     :param words: checkpoint-order words (Humming's input and the reference's)
     :param humming: ``{"layer": HummingLayer, "cfg_cache": {}}``, ``{"error": str}`` or None
-    :param chordq_words: the same codes in ``opts.w_order`` (default: ``words``)
+    :param chordq_weights: the same words and scales in ``opts.w_order`` (default: ``words``,
+        ``scales``)
     """
     from .align import align_row_tiles, moe_align_block_size
     from .reference import moe_gemm_indexed_reference, silu_and_mul_reference
@@ -502,7 +514,7 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
     from .triton_w4a16 import indexed_config, moe_gemm_mixed_triton
 
     dev = words.device
-    chordq_words = words if chordq_words is None else chordq_words
+    chordq_words, chordq_scales = chordq_weights or (words, scales)
     rows = TOP_K * tokens
     rows_per_expert = rows / p.num_experts
     touched = int(torch.unique(topk_ids).numel())
@@ -538,7 +550,7 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
             res.update(config=" + ".join(labels), block_m=pieces[0][0])
 
             def fn(pieces=pieces, out=out, act=act):
-                return moe_gemm_mixed_triton(x, chordq_words, scales, pieces, p.top_k,
+                return moe_gemm_mixed_triton(x, chordq_words, chordq_scales, pieces, p.top_k,
                                              activation=act, out=out, w_order=opts.w_order)
 
             t0 = time.perf_counter()
@@ -674,10 +686,10 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         "GEMM to GEMM: both gate_up columns write 8T x 2I (chordq with activation=None). "
         "'chordq fused' is chordq's shipped gate_up with SiLU-and-mul fused (writes 8T x I; "
         "Humming's vLLM path adds a separate silu_and_mul launch). cos = cos_diff vs "
-        "chordq's PyTorch reference on the checked experts' rows. chordq's words: "
-        f"{meta.get('w_order', 'checkpoint')} order (converted once, untimed, as Humming's "
+        "chordq's PyTorch reference on the checked experts' rows. chordq's weights: "
+        f"{meta.get('w_order', 'checkpoint')} (converted once, untimed, as Humming's "
         "transform()). Tiles: chordq BM,BN,BK,warps,stages (P planes / Q pairs / F fragments "
-        "K order, S split-K, R register cap); Humming (block shape) mma x CTAs/SM "
+        "/ Z subnormal K order, S split-K, R register cap); Humming (block shape) mma x CTAs/SM "
         "(ws = warp-specialized, sk = stream-K).",
         "",
         "| layout | T | proj | experts | chordq tile | Humming tile | cos chordq / Humming "
@@ -815,16 +827,13 @@ def run_comparison(
     else:
         meta["humming"] = {"error": "not requested"}
 
-    from chordq.layout import fragment_order
-
     rows: list[dict] = []
     for li, layout in enumerate(layouts):
         problems = LAYOUTS[layout]
-        weights, layers, chordq_words = {}, {}, {}
+        weights, layers, chordq_weights = {}, {}, {}
         for pi, p in enumerate(problems):
             weights[p] = make_weights(p, opts.seed * 100 + 10 * li + pi, device)
-            chordq_words[p] = (fragment_order(weights[p][0]) if opts.w_order == "fragments"
-                               else weights[p][0])
+            chordq_weights[p] = convert_weights(*weights[p], opts.w_order)
             lv = levels_present(weights[p][0])
             _log(f"{p.key}: words {tuple(weights[p][0].shape)}, {lv} code levels present")
             if not against_humming:
@@ -854,7 +863,7 @@ def run_comparison(
             for p in problems:
                 try:
                     row = bench_shape(p, t, topk_ids, *weights[p], layers[p], opts,
-                                      chordq_words[p])
+                                      chordq_weights[p])
                 except Exception as exc:  # noqa: BLE001 - keep going with the next shape
                     row = {"layout": layout, "tokens": t, "projection": p.proj,
                            "experts_touched": 0, **floor_model(p, t, 0),
@@ -864,7 +873,7 @@ def run_comparison(
                 rows.append(row)
                 _log(_row_line(row))
                 _write(out, rows, meta)
-        del weights, layers, chordq_words
+        del weights, layers, chordq_weights
         if device == "cuda":
             torch.cuda.empty_cache()
     meta["gpu_state_after"] = _gpu_state()

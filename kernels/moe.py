@@ -17,7 +17,7 @@ from .align import align_row_tiles
 from .reference import fused_moe_reference
 from .triton_config import W_ORDERS
 
-__all__ = ["fused_moe"]
+__all__ = ["fused_moe", "prepare_weights"]
 
 IMPLS = ("auto", "reference", "triton")
 
@@ -54,6 +54,21 @@ def _check_inputs(
                          f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
 
 
+def prepare_weights(w_packed: torch.Tensor, w_scale: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Checkpoint words and scales -> ``(words, scales, w_order)`` for the Triton kernels'
+    fastest path, converted once at load time: fragment-order words and subnormal scales
+    (``"subnormal"``), or, when a scale is too large for those (``|s| >= 0.498``, far above
+    real checkpoints), fragment-order words and the scales as they are (``"fragments"``)."""
+    from chordq.layout import fragment_order, subnormal_scales
+
+    words = fragment_order(w_packed)
+    try:
+        return words, subnormal_scales(w_scale), "subnormal"
+    except ValueError:
+        return words, w_scale, "fragments"
+
+
 def fused_moe(
     hidden_states: torch.Tensor,
     w13_packed: torch.Tensor,
@@ -78,9 +93,10 @@ def fused_moe(
         otherwise). ``"triton"`` on CPU tensors runs Triton's interpreter, which needs
         ``TRITON_INTERPRET=1`` set before the Triton kernels are first imported; it raises
         otherwise.
-    :param w_order: ``"checkpoint"`` (words as chordq writes them) or ``"fragments"``: both
-        packed weights converted once with ``chordq.layout.fragment_order``, the Triton
-        kernels' fast path (the reference converts them back)
+    :param w_order: ``"checkpoint"`` (words as chordq writes them), ``"fragments"`` (both
+        packed weights converted once with ``chordq.layout.fragment_order``) or
+        ``"subnormal"`` (also both scales with ``chordq.layout.subnormal_scales``): the Triton
+        kernels' fast paths, see :func:`prepare_weights` (the reference converts them back)
     :returns: BF16 ``[M, H]``
     """
     if impl not in IMPLS:
@@ -91,11 +107,14 @@ def fused_moe(
     if impl == "auto":
         impl = "triton" if hidden_states.is_cuda else "reference"
     if impl == "reference":
-        if w_order == "fragments":
-            from chordq.layout import fragment_order_inverse
+        if w_order != "checkpoint":
+            from chordq.layout import fragment_order_inverse, subnormal_scales_inverse
 
             w13_packed = fragment_order_inverse(w13_packed)
             w2_packed = fragment_order_inverse(w2_packed)
+            if w_order == "subnormal":
+                w13_scale = subnormal_scales_inverse(w13_scale)
+                w2_scale = subnormal_scales_inverse(w2_scale)
         return fused_moe_reference(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale,
                                    topk_weights, topk_ids)
     return _fused_moe_triton(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale,

@@ -8,13 +8,18 @@ sits in the dot's N slot where 16 is the minimum.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k"]
 
 GROUP_SIZE = 32
-K_ORDERS = ("natural", "planes", "pairs", "fragments")
-W_ORDERS = ("checkpoint", "fragments")  # how the packed words are laid out along K
+K_ORDERS = ("natural", "planes", "pairs", "fragments", "subnormal")
+# How the weights were converted at load time: "checkpoint" (as written), "fragments" (words in
+# chordq.layout.fragment_order), "subnormal" (those words and chordq.layout.subnormal_scales).
+W_ORDERS = ("checkpoint", "fragments", "subnormal")
+# the k_order that reads each w_order's weights (None: any of the checkpoint-order ones)
+K_ORDER_OF = {"checkpoint": None, "fragments": "fragments", "subnormal": "subnormal"}
 
 
 def _is_pow2(x: int) -> bool:
@@ -37,7 +42,10 @@ class W4A16Config:
         ``"pairs"`` (planes whose two BF16 halves of a register are nibbles j and j + 4 of one
         word: dequantized two weights per instruction by inline PTX on the GPU);
         ``"fragments"`` (the same dequantization on words converted once by
-        ``chordq.layout.fragment_order``, so X is not permuted; needs ``w_order="fragments"``).
+        ``chordq.layout.fragment_order``, so X is not permuted; needs ``w_order="fragments"``);
+        ``"subnormal"`` (fragment words and ``chordq.layout.subnormal_scales``: each BF16 pair
+        is masked into subnormal range and finished by one fma, 12 instructions per word
+        instead of 15; needs ``w_order="subnormal"``).
     :param split_k: split the K steps over this many programs per output tile (indexed path):
         FP32 partials, then a reduce kernel. For grids too thin to fill the GPU.
     :param max_registers: cap on registers per thread (Triton's ``maxnreg``), to fit more CTAs
@@ -61,7 +69,8 @@ class W4A16Config:
     def label(self) -> str:
         """``BM,BN,BK,warps,stages`` plus ``,P`` / ``,Q`` / ``,F`` (planes / pairs / fragments),
         ``,S<split_k>``, ``,R<max_registers>`` and ``,L<n_tiles>`` when set."""
-        tag = {"natural": "", "planes": ",P", "pairs": ",Q", "fragments": ",F"}[self.k_order]
+        tag = {"natural": "", "planes": ",P", "pairs": ",Q", "fragments": ",F",
+               "subnormal": ",Z"}[self.k_order]
         split = f",S{self.split_k}" if self.split_k > 1 else ""
         regs = f",R{self.max_registers}" if self.max_registers else ""
         loop = f",L{self.n_tiles}" if self.n_tiles > 1 else ""
@@ -119,8 +128,9 @@ def choose_config(
     :param k: reduction size, a multiple of 32
     :param gated: the tile computes gate and up halves (a ``2 block_n``-row weight tile)
     :param block_m: force the row tile (e.g. to reuse one ``moe_align_block_size`` result)
-    :param w_order: ``"checkpoint"`` (words as written) or ``"fragments"``
-        (``chordq.layout.fragment_order``, the fast path); decides ``k_order``
+    :param w_order: ``"checkpoint"`` (words as written), ``"fragments"``
+        (``chordq.layout.fragment_order``) or ``"subnormal"`` (those words and
+        ``chordq.layout.subnormal_scales``, the fastest); decides ``k_order``
     :param interpret: for Triton's CPU interpreter (CPU tensors), which pays per operation
         more than per element: big tiles, one stage
 
@@ -133,9 +143,17 @@ def choose_config(
         raise ValueError(f"K={k} is not a multiple of the group size {GROUP_SIZE}")
     if w_order not in W_ORDERS:
         raise ValueError(f"w_order must be one of {W_ORDERS}, got {w_order!r}")
+    cfg = _choose(rows_per_expert, n, k, gated, block_m, w_order != "checkpoint", interpret)
+    # the subnormal tiles are the fragment tiles with the cheaper dequantization (same loads)
+    if w_order == "subnormal":
+        cfg = dataclasses.replace(cfg, k_order="subnormal")
+    return cfg
+
+
+def _choose(rows_per_expert: float, n: int, k: int, gated: bool, block_m: int | None,
+            fragments: bool, interpret: bool) -> W4A16Config:
     bm = _block_m_for(rows_per_expert) if block_m is None else block_m
     max_bn = max(16, _next_pow2(n))
-    fragments = w_order == "fragments"
     if interpret:
         bk = _largest_dividing(k, 512)
         order = "fragments" if fragments else ("pairs" if bk >= 64 else "natural")

@@ -51,8 +51,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .triton_config import (GROUP_SIZE, K_ORDERS, W4A16Config, choose_config, choose_n_tiles,
-                            choose_split_k)
+from .triton_config import (GROUP_SIZE, K_ORDER_OF, K_ORDERS, W_ORDERS, W4A16Config,
+                            choose_config, choose_n_tiles, choose_split_k)
 
 __all__ = [
     "indexed_config",
@@ -158,6 +158,30 @@ mul.rn.bf16x2 $3, $3, $6;
 }""")
 
 
+# The same pairs from scales stored times 2**129 (``chordq.layout.subnormal_scales``): a BF16
+# whose bits are below 0x100 is worth bits * 2**-133 (the lowest two binades are evenly spaced),
+# so a nibble masked into bits 4-7 of each half is code * 2**-129 with no OR and no subtract,
+# and one fma gives code * s - 8 s rounded once: the reference's bf16((code - 8) * s). 12
+# instructions per word instead of 15. $6 is {s', s'} = {s * 2**129, ...}; 0x80808080 is
+# {-2**-126, ...}, so b = -8 s exactly.
+_DEQUANT_SUBNORMAL_ASM = tl.constexpr("""{
+.reg .b32 t0, t2, t3, b, c;
+shl.b32 t0, $4, 4;
+shr.u32 t2, $4, 4;
+shr.u32 t3, $4, 8;
+and.b32 $0, t0, 0x00f000f0;
+and.b32 $1, $4, 0x00f000f0;
+and.b32 $2, t2, 0x00f000f0;
+and.b32 $3, t3, 0x00f000f0;
+mov.b32 c, 0x80808080;
+mul.rn.bf16x2 b, $6, c;
+fma.rn.bf16x2 $0, $0, $6, b;
+fma.rn.bf16x2 $1, $1, $6, b;
+fma.rn.bf16x2 $2, $2, $6, b;
+fma.rn.bf16x2 $3, $3, $6, b;
+}""")
+
+
 @triton.jit
 def _dequant_tile_pairs(
     w_ptrs,  # int32 pointers [BLOCK_N, BLOCK_K/8]
@@ -166,6 +190,7 @@ def _dequant_tile_pairs(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FRAGMENTS: tl.constexpr,  # words in fragment order (layout.fragment_order): natural K
+    SUBNORMAL: tl.constexpr,  # scales stored times 2**129 (_DEQUANT_SUBNORMAL_ASM)
     COMPUTE_F32: tl.constexpr,
 ):
     """Load and dequantize one weight tile in *pair order*: tile column ``(j * W + w) * 2 + h``
@@ -180,13 +205,15 @@ def _dequant_tile_pairs(
     scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BLOCK_N, BLOCK_K // 32, 4)),
                         (BLOCK_N, BLOCK_K // 8))
     if COMPUTE_F32:
+        if SUBNORMAL:  # back to the true scale, exactly (two powers of two: FP32 ends at 2**-149)
+            scales = scales.to(tl.float32) * 5.421010862427522e-20 * 2.710505431213761e-20
         p0 = tl.join(_dequant_plane(words, 0, scales, 1), _dequant_plane(words, 16, scales, 1))
         p1 = tl.join(_dequant_plane(words, 4, scales, 1), _dequant_plane(words, 20, scales, 1))
         p2 = tl.join(_dequant_plane(words, 8, scales, 1), _dequant_plane(words, 24, scales, 1))
         p3 = tl.join(_dequant_plane(words, 12, scales, 1), _dequant_plane(words, 28, scales, 1))
     else:
         p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            _DEQUANT_PAIRS_ASM, "=r,=r,=r,=r,r,r,r",
+            _DEQUANT_SUBNORMAL_ASM if SUBNORMAL else _DEQUANT_PAIRS_ASM, "=r,=r,=r,=r,r,r,r",
             [tl.join(words, words), tl.join(scales, scales)],
             dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     pairs = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [BLOCK_N, w, h, j & 1, j >> 1]
@@ -226,7 +253,8 @@ def _load_x(x_ptrs, row_mask, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_OR
 def _load_w(w_ptrs, s_ptrs, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             K_ORDER: tl.constexpr, COMPUTE_F32: tl.constexpr):
     if K_ORDER >= 2:
-        return _dequant_tile_pairs(w_ptrs, s_ptrs, n_mask, BLOCK_N, BLOCK_K, K_ORDER == 3,
+        return _dequant_tile_pairs(w_ptrs, s_ptrs, n_mask, BLOCK_N, BLOCK_K, K_ORDER >= 3,
+                                   K_ORDER == 4,
                                    COMPUTE_F32)
     return _dequant_tile(w_ptrs, s_ptrs, n_mask, BLOCK_N, BLOCK_K, K_ORDER == 1, COMPUTE_F32)
 
@@ -631,14 +659,18 @@ def _gated(activation: str | None) -> bool:
 def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, k: int,
                     gated: bool, device: torch.device, w_order: str, block_m: int | None = None,
                     indexed: bool = False) -> W4A16Config:
+    if w_order not in W_ORDERS:
+        raise ValueError(f"w_order must be one of {W_ORDERS}, got {w_order!r}")
     if config is None:
         return choose_config(rows_per_expert, n, k, gated=gated, block_m=block_m,
                              w_order=w_order, interpret=device.type == "cpu")
     if config.split_k > 1 and not indexed:
         raise ValueError("split_k > 1 is implemented for the indexed path only")
-    if (config.k_order == "fragments") != (w_order == "fragments"):
+    want = K_ORDER_OF[w_order]
+    if (config.k_order != want) if want else (config.k_order in K_ORDER_OF.values()):
         raise ValueError(f"config.k_order={config.k_order!r} does not read w_order={w_order!r} "
-                         "words: k_order 'fragments' goes with w_order 'fragments' only")
+                         "weights: k_order 'fragments' / 'subnormal' go with the w_order of "
+                         "the same name only")
     if block_m is not None and config.block_m != block_m:
         raise ValueError(f"config.block_m={config.block_m} differs from the alignment "
                          f"block {block_m}")
@@ -740,9 +772,11 @@ def moe_gemm_indexed_triton(
     :param config: tile config (default: ``choose_config``); ``config.block_m == block_m``
     :param out: optional BF16 ``[num_routes, N]`` output; rows not routed to a local expert
         are left as they are
-    :param w_order: ``"checkpoint"`` (``w_packed`` as written by chordq) or ``"fragments"``
-        (``chordq.layout.fragment_order(w_packed)``, converted once at load time: the fast
-        path, ~10-20% faster at decode and prefill)
+    :param w_order: ``"checkpoint"`` (``w_packed`` as written by chordq), ``"fragments"``
+        (``chordq.layout.fragment_order(w_packed)``, converted once at load time: ~10-20%
+        faster at decode and prefill) or ``"subnormal"`` (those words and
+        ``w_scale = chordq.layout.subnormal_scales(scale)``; ``moe.prepare_weights`` picks it
+        when every scale fits)
     :returns: BF16 ``[num_routes, N]``
     """
     gated = _gated(activation)

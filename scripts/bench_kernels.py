@@ -66,10 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--max-minutes", type=float, default=None,
                      help="start no new shape after this many minutes")
     cmp.add_argument("--seed", type=int, default=0)
-    cmp.add_argument("--w-order", choices=("fragments", "checkpoint"), default="fragments",
-                     help="chordq's weight words: converted once to fragment order (the fast "
-                          "path, like Humming's transform) or as checkpointed (default: "
-                          "%(default)s)")
+    cmp.add_argument("--w-order", choices=("subnormal", "fragments", "checkpoint"),
+                     default="subnormal",
+                     help="chordq's weights, converted once like Humming's transform: "
+                          "fragment-order words and subnormal scales (the fastest), fragment "
+                          "words alone, or as checkpointed (default: %(default)s)")
     return parser
 
 

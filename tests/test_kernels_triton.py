@@ -37,10 +37,11 @@ from chordq.kernels import (  # noqa: E402
     moe_gemm_mixed_triton,
     moe_sum_reference,
     moe_sum_triton,
+    prepare_weights,
     route,
     triton_w4a16,
 )
-from chordq.layout import fragment_order, pack_codes  # noqa: E402
+from chordq.layout import fragment_order, pack_codes, subnormal_scales  # noqa: E402
 
 # Chord's grouped-path limit (format.md §4.1); the interpreter lands near 1e-11.
 MAX_COS_DIFF = 1e-3
@@ -63,6 +64,8 @@ GPU_CONFIGS = [
     W4A16Config(64, 128, 64, 8, 3, k_order="pairs"),
     W4A16Config(16, 64, 256, 4, 4, k_order="fragments"),
     W4A16Config(128, 128, 64, 8, 3, k_order="fragments"),
+    W4A16Config(16, 64, 256, 4, 4, k_order="subnormal"),
+    W4A16Config(128, 128, 64, 8, 3, k_order="subnormal"),
 ]
 # Split-K (indexed path only): FP32 partials + the reduce kernel; 2 and 3 splits of 4 K steps
 # (3 becomes 2 non-empty splits of 2 steps).
@@ -71,14 +74,19 @@ SPLIT_CONFIGS = [
     W4A16Config(16, 128, 64, 4, 3, k_order="planes", split_k=3),
     W4A16Config(32, 64, 64, 4, 3, split_k=4),
     W4A16Config(16, 64, 64, 4, 3, k_order="fragments", split_k=2),
+    W4A16Config(16, 64, 64, 4, 3, k_order="subnormal", split_k=2),
 ]
 
 
-def kernel_words(w: torch.Tensor, cfg: W4A16Config | None) -> dict:
-    """The words a config reads (fragment order for k_order="fragments") and their w_order."""
+def kernel_weights(w: torch.Tensor, s: torch.Tensor, cfg: W4A16Config | None) -> dict:
+    """The words and scales a config reads (fragment order for k_order "fragments", also
+    subnormal scales for "subnormal") and their w_order."""
     if cfg is not None and cfg.k_order == "fragments":
-        return {"w_packed": fragment_order(w), "w_order": "fragments"}
-    return {"w_packed": w}
+        return {"w_packed": fragment_order(w), "w_scale": s, "w_order": "fragments"}
+    if cfg is not None and cfg.k_order == "subnormal":
+        return {"w_packed": fragment_order(w), "w_scale": subnormal_scales(s),
+                "w_order": "subnormal"}
+    return {"w_packed": w, "w_scale": s}
 SENTINEL = 7.0  # written into `out` beforehand: rows a kernel does not own must keep it
 
 
@@ -158,10 +166,10 @@ def test_indexed_gpu_tile_shapes(device, cfg):
     sorted_ids, expert_ids, ntp = (t.to(device) for t in aligned)
     for activation, n_out in ((None, n), ("silu_mul", n // 2)):
         out = torch.full((m * top_k, n_out), SENTINEL, dtype=torch.bfloat16, device=device)
-        got = moe_gemm_indexed_triton(x, w_scale=s, sorted_token_ids=sorted_ids,
+        got = moe_gemm_indexed_triton(x, sorted_token_ids=sorted_ids,
                                       expert_ids=expert_ids, num_tokens_post_padded=ntp,
                                       top_k=top_k, block_m=cfg.block_m, activation=activation,
-                                      config=cfg, out=out, **kernel_words(w, cfg))
+                                      config=cfg, out=out, **kernel_weights(w, s, cfg))
         want = moe_gemm_indexed_reference(x, w, s, sorted_ids, expert_ids, ntp, top_k,
                                           cfg.block_m, activation=activation)
         check_rows(got, want, torch.ones(m * top_k, dtype=torch.bool))
@@ -179,10 +187,10 @@ def check_indexed_with_remote_expert(device, cfg, m, top_k, e, n, k, remote, act
     sorted_ids, expert_ids, ntp = (t.to(device) for t in aligned)
     out = torch.full((m * top_k, n // 2 if activation else n), SENTINEL, dtype=torch.bfloat16,
                      device=device)
-    got = moe_gemm_indexed_triton(x, w_scale=s, sorted_token_ids=sorted_ids,
+    got = moe_gemm_indexed_triton(x, sorted_token_ids=sorted_ids,
                                   expert_ids=expert_ids, num_tokens_post_padded=ntp, top_k=top_k,
                                   block_m=cfg.block_m, activation=activation, config=cfg, out=out,
-                                  **kernel_words(w, cfg))
+                                  **kernel_weights(w, s, cfg))
     want = moe_gemm_indexed_reference(x, w, s, sorted_ids, expert_ids, ntp, top_k, cfg.block_m,
                                       activation=activation)
     flat = topk_ids.reshape(-1)
@@ -309,9 +317,9 @@ def test_contiguous_matches_reference(device, cfg, gated):
     activation = "silu_mul" if gated else None
     out = torch.full((x.shape[0], n // 2 if gated else n), SENTINEL, dtype=torch.bfloat16,
                      device=device)
-    got = grouped_gemm_contiguous_triton(x, w_scale=s, m_indices=m_indices.to(device),
+    got = grouped_gemm_contiguous_triton(x, m_indices=m_indices.to(device),
                                          activation=activation, config=cfg, out=out,
-                                         **kernel_words(w, cfg))
+                                         **kernel_weights(w, s, cfg))
     want = grouped_gemm_contiguous_reference(x, w, s, m_indices.to(device), activation=activation)
     check_rows(got, want, m_indices >= 0)
 
@@ -408,6 +416,58 @@ def test_fused_moe_fragment_order(device):
     assert torch.equal(fused_moe(*frag, impl="reference", w_order="fragments"), want)
     with pytest.raises(ValueError, match="w_order"):
         fused_moe(*frag, w_order="marlin")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_moe_subnormal_weights(device):
+    """prepare_weights: fragment words and subnormal scales give the same MoE; a scale too
+    large for them falls back to fragment words with the scales unchanged."""
+    m, h, i, e, top_k = 9, 256, 128, 8, 2
+    w13, s13 = random_weights(e, 2 * i, h, device, seed=3)
+    w2, s2 = random_weights(e, h, i, device, seed=4)
+    x = randn_bf16(m, h, device=device)
+    topk_weights, topk_ids = route(torch.randn(m, e), torch.zeros(e), top_k, 1.0)
+    routing = (topk_weights.to(device), topk_ids.to(device))
+    want = fused_moe_reference(x, w13, s13, w2, s2, *routing)
+    w13p, s13p, order13 = prepare_weights(w13, s13)
+    w2p, s2p, order2 = prepare_weights(w2, s2)
+    assert order13 == order2 == "subnormal"
+    sub = (x, w13p, s13p, w2p, s2p, *routing)
+    assert torch.equal(fused_moe(*sub, impl="triton", w_order="subnormal"),
+                       fused_moe(x, w13p, s13, w2p, s2, *routing, impl="triton",
+                                 w_order="fragments"))
+    assert cos_diff(fused_moe(*sub, impl="triton", w_order="subnormal").cpu(),
+                    want.cpu()) <= MAX_COS_DIFF
+    assert torch.equal(fused_moe(*sub, impl="reference", w_order="subnormal"), want)
+    big = s2.clone()
+    big[0, 0, 0] = 0.5
+    words, scales, order = prepare_weights(w2, big)
+    assert order == "fragments" and scales is big and torch.equal(words, w2p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tile", [(16, 64, 128, 4, 3), (64, 128, 64, 4, 4)], ids=str)
+def test_subnormal_dequant_is_bit_identical(device, tile):
+    """The subnormal dequantization gives the fragment path's bits, also for zero, negative,
+    subnormal (2**-133) and the largest (0.498) scales."""
+    m, top_k, e, n, k = 13, 2, 4, 128, 256
+    w, s = random_weights(e, n, k, device, seed=5)
+    sign = torch.where(torch.rand(s.shape, generator=torch.Generator().manual_seed(6)) < 0.5,
+                       1.0, -1.0).to(device)
+    s = (s.float() * sign).to(torch.bfloat16)
+    s.view(-1)[:7] = torch.tensor([0.0, -0.0, 2**-133, -2**-133, 0.498, -0.498, 2**-127])
+    x = randn_bf16(m, k, device=device)
+    aligned = moe_align_block_size(random_topk(m, top_k, e), tile[0], e)
+    names = ("sorted_token_ids", "expert_ids", "num_tokens_post_padded")
+    aligned = {name: t.to(device) for name, t in zip(names, aligned)}
+    for activation in (None, "silu_mul"):
+        got = {}
+        for order in ("fragments", "subnormal"):
+            cfg = W4A16Config(*tile, k_order=order)
+            got[order] = moe_gemm_indexed_triton(x, **aligned, top_k=top_k, block_m=tile[0],
+                                                 activation=activation, config=cfg,
+                                                 **kernel_weights(w, s, cfg))
+        assert torch.equal(got["fragments"], got["subnormal"])
 
 
 @pytest.mark.gpu

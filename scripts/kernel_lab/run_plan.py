@@ -6,7 +6,8 @@ The variant measurements in docs/kernel_notes.md come from these plans (``plan1.
 max_registers?, n_tiles?], ...]}`` at Kimi K2 shapes (``bench_humming.LAYOUTS``: EP8 48 experts, the
 default; TP8 384 experts, gate_up N=512 K=7168, down N=7168 K=256), top-8, random words over all
 16 levels and a uniform routing draw per (layout, T).
-"fragments" configs get ``chordq.layout.fragment_order`` words (converted once, untimed).
+"fragments" and "subnormal" configs get ``chordq.layout.fragment_order`` words, "subnormal"
+ones ``chordq.layout.subnormal_scales`` (converted once, untimed).
 
 The configs of one item are timed together, their CUDA-graph replays interleaved (as the
 side-by-side bench does), so clock and thermal drift hit every config alike (timed one after
@@ -32,7 +33,7 @@ from chordq.kernels.align import moe_align_block_size
 from chordq.kernels.reference import cos_diff, moe_gemm_indexed_reference
 from chordq.kernels.triton_config import W4A16Config
 from chordq.kernels.triton_w4a16 import moe_gemm_indexed_triton
-from chordq.layout import fragment_order
+from chordq.layout import fragment_order, subnormal_scales
 
 
 def main(plan_path: str) -> None:
@@ -72,15 +73,18 @@ def main(plan_path: str) -> None:
             cfg = W4A16Config(*c[:5], k_order=c[5], split_k=c[6] if len(c) > 6 else 1,
                               max_registers=c[7] if len(c) > 7 else None,
                               n_tiles=c[8] if len(c) > 8 else 1)
-            order = "fragments" if cfg.k_order == "fragments" else "checkpoint"
-            if order == "fragments" and key not in frag:
+            order = cfg.k_order if cfg.k_order in ("fragments", "subnormal") else "checkpoint"
+            if order != "checkpoint" and key not in frag:
                 frag[key] = fragment_order(w)
-            words = frag[key] if order == "fragments" else w
+            words = frag[key] if order != "checkpoint" else w
+            if cfg.k_order == "subnormal" and (key, "subnormal") not in frag:
+                frag[(key, "subnormal")] = subnormal_scales(s)
+            scales = frag[(key, "subnormal")] if cfg.k_order == "subnormal" else s
             aligned = moe_align_block_size(topk, cfg.block_m, p.num_experts)
             out = torch.empty(rows, n_out, dtype=torch.bfloat16, device="cuda")
 
-            def fn(aligned=aligned, cfg=cfg, words=words, out=out, order=order):
-                return moe_gemm_indexed_triton(x, words, s, *aligned, top_k, cfg.block_m,
+            def fn(aligned=aligned, cfg=cfg, words=words, scales=scales, out=out, order=order):
+                return moe_gemm_indexed_triton(x, words, scales, *aligned, top_k, cfg.block_m,
                                                activation=act, config=cfg, out=out,
                                                w_order=order)
 
