@@ -54,19 +54,21 @@ def _check_inputs(
                          f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
 
 
-def prepare_weights(w_packed: torch.Tensor, w_scale: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """Checkpoint words and scales -> ``(words, scales, w_order)`` for the Triton kernels'
-    fastest path, converted once at load time: fragment-order words and subnormal scales
-    (``"subnormal"``), or, when a scale is too large for those (``|s| >= 0.498``, far above
-    real checkpoints), fragment-order words and the scales as they are (``"fragments"``)."""
+def prepare_weights(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
+                    w2_scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``fused_moe``'s checkpoint weights -> ``(w13_packed, w13_scale, w2_packed, w2_scale,
+    w_order)`` for the Triton kernels' fastest path, converted once at load time (as Humming's
+    ``transform()``): fragment-order words and subnormal scales (``"subnormal"``), or, when a
+    scale is too large for those (``|s| >= 0.498``, far above real checkpoints), fragment-order
+    words with the scales as they are (``"fragments"``)."""
     from chordq.layout import fragment_order, subnormal_scales
 
-    words = fragment_order(w_packed)
+    words = fragment_order(w13_packed), fragment_order(w2_packed)
     try:
-        return words, subnormal_scales(w_scale), "subnormal"
+        scales = subnormal_scales(w13_scale), subnormal_scales(w2_scale)
     except ValueError:
-        return words, w_scale, "fragments"
+        return words[0], w13_scale, words[1], w2_scale, "fragments"
+    return words[0], scales[0], words[1], scales[1], "subnormal"
 
 
 def fused_moe(

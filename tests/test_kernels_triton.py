@@ -429,9 +429,8 @@ def test_fused_moe_subnormal_weights(device):
     topk_weights, topk_ids = route(torch.randn(m, e), torch.zeros(e), top_k, 1.0)
     routing = (topk_weights.to(device), topk_ids.to(device))
     want = fused_moe_reference(x, w13, s13, w2, s2, *routing)
-    w13p, s13p, order13 = prepare_weights(w13, s13)
-    w2p, s2p, order2 = prepare_weights(w2, s2)
-    assert order13 == order2 == "subnormal"
+    w13p, s13p, w2p, s2p, order = prepare_weights(w13, s13, w2, s2)
+    assert order == "subnormal"
     sub = (x, w13p, s13p, w2p, s2p, *routing)
     assert torch.equal(fused_moe(*sub, impl="triton", w_order="subnormal"),
                        fused_moe(x, w13p, s13, w2p, s2, *routing, impl="triton",
@@ -441,8 +440,9 @@ def test_fused_moe_subnormal_weights(device):
     assert torch.equal(fused_moe(*sub, impl="reference", w_order="subnormal"), want)
     big = s2.clone()
     big[0, 0, 0] = 0.5
-    words, scales, order = prepare_weights(w2, big)
-    assert order == "fragments" and scales is big and torch.equal(words, w2p)
+    w13f, s13f, w2f, s2f, order = prepare_weights(w13, s13, w2, big)
+    assert order == "fragments" and s13f is s13 and s2f is big
+    assert torch.equal(w13f, w13p) and torch.equal(w2f, w2p)
 
 
 @pytest.mark.parametrize("device", DEVICES)
