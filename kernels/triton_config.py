@@ -143,7 +143,8 @@ def choose_config(
         raise ValueError(f"K={k} is not a multiple of the group size {GROUP_SIZE}")
     if w_order not in W_ORDERS:
         raise ValueError(f"w_order must be one of {W_ORDERS}, got {w_order!r}")
-    cfg = _choose(rows_per_expert, n, k, gated, block_m, w_order != "checkpoint", interpret)
+    cfg = _choose(rows_per_expert, n, k, gated, block_m, w_order != "checkpoint",
+                  w_order == "subnormal", interpret)
     # the subnormal tiles are the fragment tiles with the cheaper dequantization (same loads)
     if w_order == "subnormal":
         cfg = dataclasses.replace(cfg, k_order="subnormal")
@@ -151,7 +152,7 @@ def choose_config(
 
 
 def _choose(rows_per_expert: float, n: int, k: int, gated: bool, block_m: int | None,
-            fragments: bool, interpret: bool) -> W4A16Config:
+            fragments: bool, subnormal: bool, interpret: bool) -> W4A16Config:
     bm = _block_m_for(rows_per_expert) if block_m is None else block_m
     max_bn = max(16, _next_pow2(n))
     if interpret:
@@ -173,9 +174,12 @@ def _choose(rows_per_expert: float, n: int, k: int, gated: bool, block_m: int | 
             return W4A16Config(bm, min(64, max_bn), bk, 4, 4 if bm == 16 else 3, k_order=order)
         if bm == 32:
             return W4A16Config(bm, min(128, max_bn), bk, 4, 3, k_order=order)
-        if fragments and n <= 1024 and rows_per_expert >= 0.1:
+        wide = n <= 1024 and rows_per_expert >= 0.1 or k > n and rows_per_expert > 4
+        if fragments and wide:
             # TP8 gate_up (N = 512): T=8 44.4 -> 40.2 µs (plan6); at T=1 (0.02 rows per
-            # expert, split-K) the 64-wide tile below gives twice the programs: 11.4 vs 13.1 µs
+            # expert, split-K) the 64-wide tile below gives twice the programs: 11.4 vs 13.1 µs.
+            # EP8 gate_up from ~5 rows per expert (T=32): 0.975-0.981 of the R128 tile's time
+            # (plan18-19, two draws); a tie at 3.3 rows (T=20), 1.04-1.06 at 1.3 (T=8).
             return W4A16Config(bm, min(128, max_bn), bk, 4, 4, k_order=order)
         if fragments:  # 128 registers: 4 CTAs per SM instead of 3
             return W4A16Config(bm, min(64, max_bn), bk, 4, 3, k_order=order, max_registers=128)
@@ -193,9 +197,16 @@ def _choose(rows_per_expert: float, n: int, k: int, gated: bool, block_m: int | 
         # 128-deep steps wait for every wgmma
         return W4A16Config(bm, min(64, max_bn), _largest_dividing(k, 64), 4, 4,
                            k_order="fragments")
-    if bm == 64 or k > n:
+    if bm == 64 and k > n:
+        # 64 x 256 x 64, 3 stages: 0.945 / 0.961 of 64 x 128 x 64 x 4 stages at TP8 gate_up
+        # T=2048, 0.984-0.992 at EP8 T=256 (plan19, subnormal; 0.960-0.982 as fragments, plan17)
+        return W4A16Config(bm, min(256, max_bn), _largest_dividing(k, 64), 4, 3,
+                           k_order="fragments")
+    if bm == 64 or k > n or subnormal:
         # 128 x 128 x 64, 4 warps, 4 stages won for gate_up (K = 7168 > N): 2046 vs 2070 µs at
-        # T = 2048, 667 vs 699 at T = 512; for down (K = 2048 < N) the wide tile below did.
+        # T = 2048, 667 vs 699 at T = 512; for down (K = 2048 < N) too once the dequantization
+        # is subnormal (EP8 T=2048: 1167.6-1169.7 vs 1237.3-1237.6 µs, plan19); as fragments
+        # the wide tile below won for down.
         return W4A16Config(bm, min(128, max_bn), _largest_dividing(k, 64), 4, 4,
                            k_order="fragments")
     return W4A16Config(bm, min(256, max_bn), _largest_dividing(k, 128), 8, 3, k_order="fragments")

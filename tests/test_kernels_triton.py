@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 
 from chordq.kernels import (  # noqa: E402
     W4A16Config,
+    choose_config,
     choose_n_tiles,
     choose_row_tiles,
     choose_split_k,
@@ -66,6 +67,8 @@ GPU_CONFIGS = [
     W4A16Config(128, 128, 64, 8, 3, k_order="fragments"),
     W4A16Config(16, 64, 256, 4, 4, k_order="subnormal"),
     W4A16Config(128, 128, 64, 8, 3, k_order="subnormal"),
+    W4A16Config(64, 256, 64, 4, 3, k_order="subnormal"),
+    W4A16Config(128, 128, 64, 4, 4, k_order="subnormal"),
 ]
 # Split-K (indexed path only): FP32 partials + the reduce kernel; 2 and 3 splits of 4 K steps
 # (3 becomes 2 non-empty splits of 2 steps).
@@ -275,6 +278,28 @@ def test_column_loop_heuristic():
     assert choose_n_tiles(decode, blocks=8, n=7168, num_sms=132) == 4  # T=1: fill the SMs
     assert choose_n_tiles(decode, blocks=3, n=7 * 64, num_sms=132) == 7  # only divisor
     assert choose_n_tiles(decode, blocks=3, n=64, num_sms=132) == 1  # one column tile
+
+
+def test_gpu_tile_table():
+    """The shipped GPU tiles at Kimi shapes (EP8 gate_up N=4096 K=7168, down N=7168 K=2048;
+    TP8 gate_up N=512), as measured in docs/kernel_notes.md: a change here is a tuning change."""
+    want = {
+        (0.17, 4096, 7168): "16,64,256,4,3,Z,R128",  # EP8 decode
+        (5.3, 4096, 7168): "16,128,256,4,4,Z",  # EP8 T=32 gate_up
+        (5.3, 7168, 2048): "16,64,256,4,3,Z,R128",
+        (21.3, 4096, 7168): "32,128,256,4,3,Z",
+        (42.7, 4096, 7168): "64,256,64,4,3,Z",
+        (42.7, 7168, 2048): "64,128,64,4,4,Z",
+        (341.3, 4096, 7168): "128,128,64,4,4,Z",
+        (341.3, 7168, 2048): "128,128,64,4,4,Z",
+        (0.42, 512, 7168): "16,128,256,4,4,Z",  # TP8 decode
+        (0.42, 7168, 256): "16,64,256,4,4,Z,L14",  # TP8 down: column loop
+    }
+    got = {key: choose_config(*key, w_order="subnormal").label for key in want}
+    assert got == want
+    # as fragments the tiles are the same but for the 128-row down tile
+    assert choose_config(341.3, 7168, 2048, w_order="fragments").label == "128,256,128,8,3,F"
+    assert choose_config(42.7, 4096, 7168, w_order="fragments").label == "64,256,64,4,3,F"
 
 
 def test_row_tiles_heuristic():
