@@ -174,7 +174,9 @@ def _choose(rows_per_expert: float, n: int, k: int, gated: bool, block_m: int | 
             return W4A16Config(bm, min(64, max_bn), bk, 4, 4 if bm == 16 else 3, k_order=order)
         if bm == 32:
             return W4A16Config(bm, min(128, max_bn), bk, 4, 3, k_order=order)
-        wide = n <= 1024 and rows_per_expert >= 0.1 or k > n and rows_per_expert > 4
+        # (TP8 from 2 to 4 rows per expert, T=128, the R128 tile below: 0.958-0.969, plan20)
+        wide = (n <= 1024 and rows_per_expert >= 0.1 and not 2 <= rows_per_expert <= 4
+                or k > n and rows_per_expert > 4)
         if fragments and wide:
             # TP8 gate_up (N = 512): T=8 44.4 -> 40.2 µs (plan6); at T=1 (0.02 rows per
             # expert, split-K) the 64-wide tile below gives twice the programs: 11.4 vs 13.1 µs.
@@ -202,11 +204,12 @@ def _choose(rows_per_expert: float, n: int, k: int, gated: bool, block_m: int | 
         # T=2048, 0.984-0.992 at EP8 T=256 (plan19, subnormal; 0.960-0.982 as fragments, plan17)
         return W4A16Config(bm, min(256, max_bn), _largest_dividing(k, 64), 4, 3,
                            k_order="fragments")
-    if bm == 64 or k > n or subnormal:
+    if bm == 64 or k > n or subnormal and rows_per_expert <= 512:
         # 128 x 128 x 64, 4 warps, 4 stages won for gate_up (K = 7168 > N): 2046 vs 2070 µs at
         # T = 2048, 667 vs 699 at T = 512; for down (K = 2048 < N) too once the dequantization
-        # is subnormal (EP8 T=2048: 1167.6-1169.7 vs 1237.3-1237.6 µs, plan19); as fragments
-        # the wide tile below won for down.
+        # is subnormal, up to a few hundred rows per expert (plan20, 3 draws: T=512 0.94-0.99
+        # of the wide tile's time, T=1024 0.90-0.92, T=2048 0.935-0.938; T=8192, 1365 rows,
+        # 1.04-1.05); as fragments the wide tile below won for down.
         return W4A16Config(bm, min(128, max_bn), _largest_dividing(k, 64), 4, 4,
                            k_order="fragments")
     return W4A16Config(bm, min(256, max_bn), _largest_dividing(k, 128), 8, 3, k_order="fragments")
