@@ -3,7 +3,8 @@
 ``out[r, n] = sum_k x[row(r), k] * W_e[n, k]``, ``W_e[n, k] = bf16(code - 8) * scale[e, n, k//32]``,
 read straight from the checkpoint words (chordq.layout: int32 ``[E, N, K/8]``, 8 codes per
 word, lowest nibble first; BF16 scales ``[E, N, K/32]``), or from the same words converted once
-to fragment order (``w_order="fragments"``, ``chordq.layout.fragment_order``). No dequantized
+to fragment order (``w_order="fragments"``, ``chordq.layout.fragment_order``), with the scales
+also converted (``w_order="subnormal"``, ``chordq.layout.subnormal_scales``). No dequantized
 copy of the weight exists in memory: each K step loads one tile of words and scales and
 dequantizes in registers.
 
@@ -32,9 +33,11 @@ register-resident left operand and the few tokens per expert fill the dot's N sl
 Each K tile is visited in the order its dequantization produces (``k_order``, see
 ``_w4a16_tile``), so the dequantized words *are* the wgmma register operand, with no
 shared-memory round trip. On the GPU the "pairs" and "fragments" orders dequantize two weights
-per instruction in inline PTX (``_DEQUANT_PAIRS_ASM``). The int->BF16 convert is a magic-number
-OR, the group scale is applied in BF16 (one rounding, as in Chord's reference), tiles are
-constexpr and chosen by ``triton_config.choose_config``.
+per instruction in inline PTX (``_DEQUANT_PAIRS_ASM``: the int->BF16 convert is a magic-number
+OR, then subtract and scale); "subnormal" masks each code into subnormal BF16 range and ends
+with one fma (``_DEQUANT_SUBNORMAL_ASM``). Either way the group scale is applied in BF16 with
+one rounding, as in Chord's reference; tiles are constexpr and chosen by
+``triton_config.choose_config``.
 
 Under ``TRITON_INTERPRET=1`` tl.dot and BF16 arithmetic operate on raw BF16 bits, so the
 ``COMPUTE_F32`` flag does the same math in FP32 (with the BF16 rounding of the dequantized
@@ -198,7 +201,7 @@ def _dequant_tile_pairs(
 
     Adjacent columns are the two halves of one BF16x2 register, as the tensor-core operand
     wants them, so the PTX above feeds the dot with no repacking: ~15 instructions per word
-    against ~35 for shift-mask-convert per nibble.
+    (12 with SUBNORMAL) against ~35 for shift-mask-convert per nibble.
     """
     words = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
     scales = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
@@ -280,7 +283,7 @@ def _w4a16_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    K_ORDER: tl.constexpr,  # 0 natural, 1 planes, 2 pairs, 3 fragments: K visiting order
+    K_ORDER: tl.constexpr,  # 0 natural, 1 planes, 2 pairs, 3 fragments, 4 subnormal (fragments)
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no row masks on the weight loads
     COMPUTE_F32: tl.constexpr,
 ):
