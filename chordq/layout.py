@@ -452,7 +452,8 @@ def subnormal_scales(scale: torch.Tensor) -> torch.Tensor:
     if not bool(torch.isfinite(out).all()):
         worst = float(scale.float().abs().nan_to_num(float("inf")).max())
         raise ValueError(f"a scale of magnitude {worst:g} does not fit the subnormal "
-                         "dequantization (|s| < 0.498): use k_order 'fragments'")
+                         "dequantization (|s| < 0.498): keep the scales as they are "
+                         "(w_order 'fragments')")
     return out
 
 

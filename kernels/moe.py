@@ -55,7 +55,8 @@ def _check_inputs(
 
 
 def prepare_weights(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
-                    w2_scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                    w2_scale: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str]:
     """``fused_moe``'s checkpoint weights -> ``(w13_packed, w13_scale, w2_packed, w2_scale,
     w_order)`` for the Triton kernels' fastest path, converted once at load time (as Humming's
     ``transform()``): fragment-order words and subnormal scales (``"subnormal"``), or, when a
