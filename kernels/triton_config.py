@@ -20,6 +20,8 @@ K_ORDERS = ("natural", "planes", "pairs", "fragments", "subnormal")
 W_ORDERS = ("checkpoint", "fragments", "subnormal")
 # the k_order that reads each w_order's weights (None: any of the checkpoint-order ones)
 K_ORDER_OF = {"checkpoint": None, "fragments": "fragments", "subnormal": "subnormal"}
+# and back: the w_order a k_order reads ("checkpoint" for the others)
+W_ORDER_OF = {k: w for w, k in K_ORDER_OF.items() if k}
 
 
 def _is_pow2(x: int) -> bool:

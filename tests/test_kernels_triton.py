@@ -427,9 +427,9 @@ def test_fused_moe_mixed_row_tiles(device, monkeypatch):
     assert cos_diff(got.cpu(), fused_moe_reference(*args).cpu()) <= MAX_COS_DIFF
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fused_moe_fragment_order(device):
-    """The fast path: weights converted once to fragment order give the same MoE."""
+def small_moe(device: str):
+    """A 9-token, 8-expert MoE (H=256, I=128, top-2): its input, checkpoint weights, routing
+    and the reference output."""
     m, h, i, e, top_k = 9, 256, 128, 8, 2
     w13, s13 = random_weights(e, 2 * i, h, device, seed=3)
     w2, s2 = random_weights(e, h, i, device, seed=4)
@@ -437,6 +437,13 @@ def test_fused_moe_fragment_order(device):
     topk_weights, topk_ids = route(torch.randn(m, e), torch.zeros(e), top_k, 1.0)
     routing = (topk_weights.to(device), topk_ids.to(device))
     want = fused_moe_reference(x, w13, s13, w2, s2, *routing)
+    return x, w13, s13, w2, s2, routing, want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_moe_fragment_order(device):
+    """The fast path: weights converted once to fragment order give the same MoE."""
+    x, w13, s13, w2, s2, routing, want = small_moe(device)
     frag = (x, fragment_order(w13), s13, fragment_order(w2), s2, *routing)
     got = fused_moe(*frag, impl="triton", w_order="fragments")
     assert cos_diff(got.cpu(), want.cpu()) <= MAX_COS_DIFF
@@ -449,21 +456,14 @@ def test_fused_moe_fragment_order(device):
 def test_fused_moe_subnormal_weights(device):
     """prepare_weights: fragment words and subnormal scales give the same MoE; a scale too
     large for them falls back to fragment words with the scales unchanged."""
-    m, h, i, e, top_k = 9, 256, 128, 8, 2
-    w13, s13 = random_weights(e, 2 * i, h, device, seed=3)
-    w2, s2 = random_weights(e, h, i, device, seed=4)
-    x = randn_bf16(m, h, device=device)
-    topk_weights, topk_ids = route(torch.randn(m, e), torch.zeros(e), top_k, 1.0)
-    routing = (topk_weights.to(device), topk_ids.to(device))
-    want = fused_moe_reference(x, w13, s13, w2, s2, *routing)
+    x, w13, s13, w2, s2, routing, want = small_moe(device)
     w13p, s13p, w2p, s2p, order = prepare_weights(w13, s13, w2, s2)
     assert order == "subnormal"
     sub = (x, w13p, s13p, w2p, s2p, *routing)
-    assert torch.equal(fused_moe(*sub, impl="triton", w_order="subnormal"),
-                       fused_moe(x, w13p, s13, w2p, s2, *routing, impl="triton",
-                                 w_order="fragments"))
-    assert cos_diff(fused_moe(*sub, impl="triton", w_order="subnormal").cpu(),
-                    want.cpu()) <= MAX_COS_DIFF
+    got = fused_moe(*sub, impl="triton", w_order="subnormal")
+    assert torch.equal(got, fused_moe(x, w13p, s13, w2p, s2, *routing, impl="triton",
+                                      w_order="fragments"))
+    assert cos_diff(got.cpu(), want.cpu()) <= MAX_COS_DIFF
     assert torch.equal(fused_moe(*sub, impl="reference", w_order="subnormal"), want)
     big = s2.clone()
     big[0, 0, 0] = 0.5

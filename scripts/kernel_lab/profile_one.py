@@ -10,9 +10,9 @@ import torch
 
 from chordq.kernels import bench as B
 from chordq.kernels.align import moe_align_block_size
-from chordq.kernels.triton_config import W4A16Config
+from chordq.kernels.bench_humming import convert_weights
+from chordq.kernels.triton_config import W_ORDER_OF, W4A16Config
 from chordq.kernels.triton_w4a16 import moe_gemm_indexed_triton
-from chordq.layout import fragment_order, subnormal_scales
 
 proj, tokens = sys.argv[1], int(sys.argv[2])
 bm, bn, bk, warps, stages = (int(v) for v in sys.argv[3:8])
@@ -27,11 +27,8 @@ k = B._projections()[proj]["k"]
 x = torch.randn(tokens if proj == "gate_up" else 8 * tokens, k, generator=gen,
                 device="cuda").to(torch.bfloat16)
 cfg = W4A16Config(bm, bn, bk, warps, stages, k_order=order, split_k=split, max_registers=regs)
-w_order = order if order in ("fragments", "subnormal") else "checkpoint"
-if w_order != "checkpoint":
-    w = fragment_order(w)
-if w_order == "subnormal":
-    s = subnormal_scales(s)
+w_order = W_ORDER_OF.get(order, "checkpoint")
+w, s = convert_weights(w, s, w_order)
 aligned = moe_align_block_size(topk, bm, 48)
 for _ in range(4):
     moe_gemm_indexed_triton(x, w, s, *aligned, 8 if proj == "gate_up" else 1, bm, activation=act,

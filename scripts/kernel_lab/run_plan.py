@@ -28,12 +28,11 @@ import time
 import torch
 
 from chordq.kernels import bench as B
-from chordq.kernels.bench_humming import LAYOUTS, floor_model, time_graphs
+from chordq.kernels.bench_humming import LAYOUTS, convert_weights, floor_model, time_graphs
 from chordq.kernels.align import moe_align_block_size
 from chordq.kernels.reference import cos_diff, moe_gemm_indexed_reference
-from chordq.kernels.triton_config import W4A16Config
+from chordq.kernels.triton_config import W_ORDER_OF, W4A16Config
 from chordq.kernels.triton_w4a16 import moe_gemm_indexed_triton
-from chordq.layout import fragment_order, subnormal_scales
 
 
 def main(plan_path: str) -> None:
@@ -44,7 +43,7 @@ def main(plan_path: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     plan = json.loads(open(plan_path).read())
     gen = torch.Generator(device="cuda").manual_seed(0)
-    weights, frag, results, start = {}, {}, [], time.time()
+    weights, converted, results, start = {}, {}, [], time.time()
     for item, draw in ((item, d) for item in plan for d in range(draws)):
         if time.time() - start > budget_s:
             print("time budget reached", flush=True)
@@ -73,13 +72,10 @@ def main(plan_path: str) -> None:
             cfg = W4A16Config(*c[:5], k_order=c[5], split_k=c[6] if len(c) > 6 else 1,
                               max_registers=c[7] if len(c) > 7 else None,
                               n_tiles=c[8] if len(c) > 8 else 1)
-            order = cfg.k_order if cfg.k_order in ("fragments", "subnormal") else "checkpoint"
-            if order != "checkpoint" and key not in frag:
-                frag[key] = fragment_order(w)
-            words = frag[key] if order != "checkpoint" else w
-            if cfg.k_order == "subnormal" and (key, "subnormal") not in frag:
-                frag[(key, "subnormal")] = subnormal_scales(s)
-            scales = frag[(key, "subnormal")] if cfg.k_order == "subnormal" else s
+            order = W_ORDER_OF.get(cfg.k_order, "checkpoint")
+            if (key, order) not in converted:
+                converted[(key, order)] = convert_weights(w, s, order)
+            words, scales = converted[(key, order)]
             aligned = moe_align_block_size(topk, cfg.block_m, p.num_experts)
             out = torch.empty(rows, n_out, dtype=torch.bfloat16, device="cuda")
 
