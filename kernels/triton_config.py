@@ -55,6 +55,9 @@ class W4A16Config:
     :param n_tiles: > 1: each program loads its X rows once and loops over this many
         ``block_n`` column tiles, pipelining their weight loads (indexed path, no activation,
         ``block_k == K``: the few-K down projection of TP8, K = 256).
+    :param stream_k: > 0: stream-K (indexed path): this many programs per SM (the CTAs per SM
+        the tile reaches) share the live tiles' K steps equally, so no partial last wave is
+        left; a tile cut between two programs is summed in FP32 by the second.
     """
 
     block_m: int = 16
@@ -66,18 +69,22 @@ class W4A16Config:
     split_k: int = 1
     max_registers: int | None = None
     n_tiles: int = 1
+    stream_k: int = 0
+    columns_first: bool = False
 
     @property
     def label(self) -> str:
         """``BM,BN,BK,warps,stages`` plus ``,P`` / ``,Q`` / ``,F`` (planes / pairs / fragments),
-        ``,S<split_k>``, ``,R<max_registers>`` and ``,L<n_tiles>`` when set."""
+        ``,S<split_k>``, ``,R<max_registers>``, ``,L<n_tiles>`` and ``,K<stream_k>`` when set."""
         tag = {"natural": "", "planes": ",P", "pairs": ",Q", "fragments": ",F",
                "subnormal": ",Z"}[self.k_order]
         split = f",S{self.split_k}" if self.split_k > 1 else ""
         regs = f",R{self.max_registers}" if self.max_registers else ""
         loop = f",L{self.n_tiles}" if self.n_tiles > 1 else ""
+        stream = f",K{self.stream_k}" if self.stream_k else ""
+        cols = ",C" if self.columns_first else ""
         return (f"{self.block_m},{self.block_n},{self.block_k},{self.num_warps},"
-                f"{self.num_stages}{tag}{split}{regs}{loop}")
+                f"{self.num_stages}{tag}{split}{regs}{loop}{stream}{cols}")
 
     def __post_init__(self) -> None:
         if self.k_order not in K_ORDERS:
@@ -87,6 +94,10 @@ class W4A16Config:
         if self.n_tiles < 1 or (self.n_tiles > 1 and self.split_k > 1):
             raise ValueError(f"n_tiles must be >= 1 and excludes split_k > 1, got "
                              f"n_tiles={self.n_tiles} split_k={self.split_k}")
+        if self.stream_k < 0 or (self.stream_k and (self.split_k > 1 or self.n_tiles > 1)):
+            raise ValueError(f"stream_k must be >= 0 and excludes split_k > 1 and n_tiles > 1, "
+                             f"got stream_k={self.stream_k} split_k={self.split_k} "
+                             f"n_tiles={self.n_tiles}")
         if not (_is_pow2(self.block_m) and 16 <= self.block_m <= 128):
             raise ValueError(f"block_m must be a power of two in [16, 128], got {self.block_m}")
         if not (_is_pow2(self.block_n) and self.block_n >= 16):

@@ -378,15 +378,22 @@ def _store_tile(out_ptr, acc, acc_up, out_rows, row_mask, offs_n, N, stride_om,
 
 @triton.jit
 def _indexed_tile(num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N=0,
+                  COLUMNS_FIRST: tl.constexpr = False):
     """(expert, route ids, valid rows, output columns) of this program's tile; expert -1 when
     there is nothing to do (past ``num_tokens_post_padded``, or an expert on another rank).
 
-    Row blocks vary fastest so the tiles sharing one weight tile run together (L2 reuse).
+    Row blocks vary fastest so the tiles sharing one weight tile run together (L2 reuse);
+    with COLUMNS_FIRST the column tiles of one row block do (one expert's weights at a time).
     """
     pid = tl.program_id(0)
-    pid_m = pid % num_m_blocks
-    offs_n = (pid // num_m_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if COLUMNS_FIRST:
+        n_col = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // n_col
+        offs_n = (pid % n_col) * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        pid_m = pid % num_m_blocks
+        offs_n = (pid // num_m_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     ntp = tl.load(ntp_ptr)  # blocks below it lie inside sorted_ids; pid_m < len(expert_ids)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     expert = tl.where(pid_m * BLOCK_M < ntp, expert, -1)
@@ -423,9 +430,11 @@ def _w4a16_indexed_kernel(
     EVEN_N: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1: program_id(1) takes every SPLIT_K-th slice of the K steps
     COMPUTE_F32: tl.constexpr,
+    COLUMNS_FIRST: tl.constexpr = False,
 ):
     expert, routes, row_mask, offs_n = _indexed_tile(num_m_blocks, ntp_ptr, expert_ids_ptr,
-                                                     sorted_ids_ptr, num_routes, BLOCK_M, BLOCK_N)
+                                                     sorted_ids_ptr, num_routes, BLOCK_M, BLOCK_N,
+                                                     N, COLUMNS_FIRST)
     if expert < 0:
         return  # rows left unwritten
     steps = K // BLOCK_K
@@ -445,6 +454,103 @@ def _w4a16_indexed_kernel(
         tl.store(ptrs, acc, mask=mask)
         if GATED:
             tl.store(ptrs + N, acc_up, mask=mask)
+
+
+@triton.jit
+def _w4a16_indexed_streamk_kernel(
+    x_ptr,  # bf16 [num_routes / TOP_K, K]
+    w_ptr,  # int32 [E, N_w, K/8]
+    s_ptr,  # bf16 [E, N_w, K/32]
+    out_ptr,  # bf16 [num_routes, N]
+    sorted_ids_ptr,  # int32 [capacity] route ids per block, sentinel >= num_routes
+    expert_ids_ptr,  # int32 [num_m_blocks] expert per block, -1 = not local
+    ntp_ptr,  # int32 [1] num_tokens_post_padded
+    parts_ptr,  # fp32 [programs, 2, BLOCK_N, BLOCK_M] partial tiles; zeros between launches
+    arrivals_ptr,  # int32 [programs] partial tiles arrived per boundary; zeros between launches
+    num_routes,
+    N,
+    K,
+    num_m_blocks,  # grid rows bound (live blocks are fewer: ntp / BLOCK_M)
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_ORDER: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+    COLUMNS_FIRST: tl.constexpr = False,
+):
+    """Stream-K indexed GEMM: the live tiles' K steps, laid end to end, are cut into one equal
+    range per program, so every program does the same work whatever the number of tiles (one
+    program per tile leaves a last, partial wave: decode time steps by ~20% each time the
+    tiles pass a multiple of the CTA slots, ``scripts/kernel_lab/wave_sweep.py``).
+
+    A tile cut by a range boundary is finished by whichever of its two programs arrives second:
+    both add their FP32 partial into the boundary's slot of ``parts_ptr``, count themselves in
+    ``arrivals_ptr``, and the second reads the sum (an atomic add of zero, so it comes from
+    where the adds went), stores it, and zeroes slot and count for the next launch. At most one boundary falls inside a tile because every range
+    holds at least one tile's steps (programs beyond the live tiles exit), so the sum is
+    ``a + b`` in either order: deterministic.
+    """
+    ntp = tl.load(ntp_ptr)
+    live_m = tl.minimum(tl.cdiv(ntp, BLOCK_M), num_m_blocks)
+    tiles = live_m * tl.cdiv(N, BLOCK_N)
+    programs = tl.minimum(tl.num_programs(0), tiles)
+    pid = tl.program_id(0)
+    if pid >= programs:
+        return
+    steps = K // BLOCK_K
+    total = tiles.to(tl.int64) * steps
+    it = pid * total // programs
+    end = (pid + 1) * total // programs
+    slot_ptrs = (tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
+    while it < end:
+        tile = (it // steps).to(tl.int32)
+        first = (it - tile.to(tl.int64) * steps).to(tl.int32)
+        num = tl.minimum(steps - first, (end - it).to(tl.int32))
+        if COLUMNS_FIRST:
+            pid_m = tile // tl.cdiv(N, BLOCK_N)
+            offs_n = (tile % tl.cdiv(N, BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+        else:
+            pid_m = tile % live_m
+            offs_n = (tile // live_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        routes = tl.load(sorted_ids_ptr + offs, mask=offs < ntp, other=num_routes).to(tl.int64)
+        row_mask = routes < num_routes
+        if expert >= 0:  # both programs of a cut tile skip an expert of another rank alike
+            acc, acc_up = _w4a16_tile(x_ptr, routes // TOP_K, row_mask, w_ptr, s_ptr, expert,
+                                      offs_n, N, first, num, stride_xm, stride_we, stride_wn,
+                                      stride_se, stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      K_ORDER, EVEN_N, COMPUTE_F32)
+            if num == steps:
+                _store_tile(out_ptr, acc, acc_up, routes, row_mask, offs_n, N, stride_om, GATED,
+                            COMPUTE_F32)
+            else:
+                slot = pid if first > 0 else pid + 1  # the boundary inside this tile
+                part = parts_ptr + slot * (2 * BLOCK_N * BLOCK_M) + slot_ptrs
+                tl.atomic_add(part, acc, sem="relaxed")
+                if GATED:
+                    tl.atomic_add(part + BLOCK_N * BLOCK_M, acc_up, sem="relaxed")
+                tl.debug_barrier()  # every thread's partial is in before the count
+                if tl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel") == 1:
+                    zeros = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                    acc = tl.atomic_add(part, zeros, sem="relaxed")  # read where the adds went
+                    tl.store(part, zeros)
+                    if GATED:
+                        acc_up = tl.atomic_add(part + BLOCK_N * BLOCK_M, zeros, sem="relaxed")
+                        tl.store(part + BLOCK_N * BLOCK_M, zeros)
+                    tl.store(arrivals_ptr + slot, 0)
+                    _store_tile(out_ptr, acc, acc_up, routes, row_mask, offs_n, N, stride_om,
+                                GATED, COMPUTE_F32)
+        it += num
 
 
 @triton.jit
@@ -701,6 +807,8 @@ def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, 
                          f"block {block_m}")
     if k % config.block_k:
         raise ValueError(f"K={k} is not a multiple of block_k={config.block_k}")
+    if config.stream_k and not indexed:
+        raise ValueError("stream_k is implemented for the indexed path only")
     if config.n_tiles > 1 and not (indexed and not gated and config.block_k == k):
         raise ValueError(f"n_tiles={config.n_tiles} needs the indexed path, no activation and "
                          f"block_k == K (got block_k={config.block_k}, K={k})")
@@ -731,6 +839,28 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: pretend to be an H200 so CPU tests take the GPU's path
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# (device, stream) -> (partial tiles, arrival counts); the stream-K kernel leaves them zero
+_STREAM_K_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _stream_k_buffers(device: torch.device, programs: int, tile: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed FP32 ``[programs, 2 tile]`` partials and int32 ``[programs]`` counts for the
+    stream-K kernel, one pair per device and stream: kernels on one stream run one at a time
+    and each launch leaves them zero again. Made while a CUDA graph is captured, they live in
+    the graph's memory pool and serve that stream's later launches too."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    have = _STREAM_K_BUFFERS.get(key)
+    if have is None or have[1].numel() < programs or have[0].shape[1] < 2 * tile:
+        programs = max(programs, have[1].numel() if have else 0)
+        tile = max(tile, have[0].shape[1] // 2 if have else 0)
+        have = (torch.zeros(programs, 2 * tile, dtype=torch.float32, device=device),
+                torch.zeros(programs, dtype=torch.int32, device=device))
+        _STREAM_K_BUFFERS[key] = have
+    return have
 
 
 def indexed_config(
@@ -837,10 +967,19 @@ def moe_gemm_indexed_triton(
             x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
             *args, out.stride(0), TOP_K=top_k, N_TILES=cfg.n_tiles, **_launch_args(cfg, gated, n))
         return out
+    if cfg.stream_k:
+        programs = min(_num_sms(x.device) * cfg.stream_k, grid_m * n_tiles)
+        _w4a16_indexed_streamk_kernel[(programs,)](
+            x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
+            *_stream_k_buffers(x.device, programs, cfg.block_n * cfg.block_m), *args,
+            out.stride(0), TOP_K=top_k, COLUMNS_FIRST=cfg.columns_first,
+            **_launch_args(cfg, gated, n))
+        return out
     if split == 1:
         _w4a16_indexed_kernel[(grid_m * n_tiles, 1)](
             x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
-            *args, out.stride(0), TOP_K=top_k, SPLIT_K=1, **_launch_args(cfg, gated, n))
+            *args, out.stride(0), TOP_K=top_k, SPLIT_K=1, COLUMNS_FIRST=cfg.columns_first,
+            **_launch_args(cfg, gated, n))
         return out
     n_w = w_packed.shape[1]
     partials = torch.empty(split, num_routes, n_w, dtype=torch.float32, device=x.device)

@@ -210,6 +210,49 @@ def test_indexed_split_k(device, cfg, gated):
                                      activation="silu_mul" if gated else None)
 
 
+# Stream-K with _num_sms() = 1, so stream_k is the program count: 3 and 5 programs cut
+# tiles between programs (K = 256 is 4 steps of 64), 64 programs outnumber the live tiles.
+STREAM_K_CONFIGS = [
+    W4A16Config(16, 32, 64, 4, 2, k_order="subnormal", stream_k=3),
+    W4A16Config(16, 32, 64, 4, 2, k_order="fragments", stream_k=5, columns_first=True),
+    W4A16Config(32, 64, 64, 4, 3, stream_k=64),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", STREAM_K_CONFIGS, ids=str)
+@pytest.mark.parametrize("gated", [False, True])
+def test_indexed_stream_k(device, cfg, gated, monkeypatch):
+    """Stream-K writes the rows the one-program-per-tile kernel owns, with the reference's
+    values, also where a tile is summed from two programs, and leaves its buffers zero."""
+    monkeypatch.setattr(triton_w4a16, "_num_sms", lambda device: 1)
+    check_indexed_with_remote_expert(device, cfg, 9, 4, 8, 128, 256, remote=2,
+                                     activation="silu_mul" if gated else None)
+    for parts, arrivals in triton_w4a16._STREAM_K_BUFFERS.values():
+        assert not parts.any() and not arrivals.any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gated", [False, True])
+def test_indexed_columns_first(device, gated):
+    """Programs walking one row block's column tiles first cover the same tiles."""
+    cfg = W4A16Config(16, 32, 64, 4, 2, k_order="subnormal", columns_first=True)
+    check_indexed_with_remote_expert(device, cfg, 9, 4, 8, 128, 256, remote=2,
+                                     activation="silu_mul" if gated else None)
+
+
+def test_stream_k_rejects_what_it_cannot_run():
+    for fields in ({"stream_k": -1}, {"stream_k": 2, "split_k": 2},
+                   {"stream_k": 2, "n_tiles": 2}):
+        with pytest.raises(ValueError, match="stream_k"):
+            W4A16Config(16, 32, 128, **fields)
+    w, s = random_weights(2, 64, 256, "cpu")
+    with pytest.raises(ValueError, match="stream_k"):
+        grouped_gemm_contiguous_triton(randn_bf16(2, 256, device="cpu"), w, s,
+                                       torch.zeros(2, dtype=torch.int32),
+                                       config=W4A16Config(16, 32, 128, stream_k=2))
+
+
 # Column-looping programs for a one-step K (TP8 down, K = 256): N = 7 * 32 is covered by
 # 4-tile programs with a partial last program (masked columns) and by 7-tile programs exactly.
 WIDE_CONFIGS = [
@@ -499,22 +542,29 @@ def test_subnormal_dequant_is_bit_identical(device, tile):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs CUDA")
-def test_indexed_is_cuda_graph_capturable():
+@pytest.mark.parametrize("cfg", [None, W4A16Config(16, 64, 128, 4, 3, stream_k=2)], ids=str)
+def test_indexed_is_cuda_graph_capturable(cfg):
+    """Captured and eager runs agree; stream-K's buffers made during the first capture serve
+    the second."""
     m, top_k, e, n, k = 8, 8, 48, 512, 1024
     w, s = random_weights(e, n, k, "cuda")
     x = randn_bf16(m, k, device="cuda")
     topk_ids = random_topk(m, top_k, e).cuda()
     sorted_ids, expert_ids, ntp = moe_align_block_size(topk_ids, 16, e)
     def run() -> torch.Tensor:
-        return moe_gemm_indexed_triton(x, w, s, sorted_ids, expert_ids, ntp, top_k, 16)
+        return moe_gemm_indexed_triton(x, w, s, sorted_ids, expert_ids, ntp, top_k, 16,
+                                       config=cfg)
 
+    triton_w4a16._STREAM_K_BUFFERS.clear()
     eager = run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    graph.replay()
+    graphs, outs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()], []
+    for graph in graphs:
+        with torch.cuda.graph(graph):
+            outs.append(run())
+    for graph in graphs:
+        graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert torch.equal(outs[0], eager) and torch.equal(outs[1], eager)
 
 
 # ----------------------------------------------------------------------------- errors

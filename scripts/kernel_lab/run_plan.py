@@ -3,7 +3,7 @@
 The variant measurements in docs/kernel_notes.md come from these plans (``plan1.json`` ..
 ``plan4.json``). A plan is a list of ``{"proj": "gate_up"|"down", "T": tokens, "act": null |
 "silu_mul", "layout"?: "EP8" | "TP8", "configs": [[BM, BN, BK, warps, stages, k_order, split_k?,
-max_registers?, n_tiles?], ...]}`` at Kimi K2 shapes (``bench_humming.LAYOUTS``: EP8 48 experts, the
+max_registers?, n_tiles?, stream_k?, columns_first?], ...]}`` at Kimi K2 shapes (``bench_humming.LAYOUTS``: EP8 48 experts, the
 default; TP8 384 experts, gate_up N=512 K=7168, down N=7168 K=256), top-8, random words over all
 16 levels and a uniform routing draw per (layout, T).
 "fragments" and "subnormal" configs get ``chordq.layout.fragment_order`` words, "subnormal"
@@ -71,7 +71,9 @@ def main(plan_path: str) -> None:
         for c in item["configs"]:
             cfg = W4A16Config(*c[:5], k_order=c[5], split_k=c[6] if len(c) > 6 else 1,
                               max_registers=c[7] if len(c) > 7 else None,
-                              n_tiles=c[8] if len(c) > 8 else 1)
+                              n_tiles=c[8] if len(c) > 8 else 1,
+                              stream_k=c[9] if len(c) > 9 else 0,
+                              columns_first=bool(c[10]) if len(c) > 10 else False)
             order = W_ORDER_OF.get(cfg.k_order, "checkpoint")
             if (key, order) not in converted:
                 converted[(key, order)] = convert_weights(w, s, order)

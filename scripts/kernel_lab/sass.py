@@ -8,7 +8,7 @@ variants can be compared before spending GPU time. Triton and ptxas here may be 
 the GPU machine: compare variants, not absolute counts.
 
 usage: python scripts/kernel_lab/sass.py BM BN BK WARPS STAGES K_ORDER [GATED] [N_TILES]
-       [--maxnreg R] [--dump FILE]
+       [--maxnreg R] [--stream-k] [--dump FILE]
 """
 
 import argparse
@@ -26,15 +26,20 @@ from chordq.kernels import triton_w4a16 as tw
 from chordq.kernels.triton_config import K_ORDERS
 
 
-def compile_kernel(bm, bn, bk, warps, stages, k_order, gated=False, n_tiles=1, maxnreg=None):
+def compile_kernel(bm, bn, bk, warps, stages, k_order, gated=False, n_tiles=1, maxnreg=None,
+                   stream_k=False):
     wide = n_tiles > 1
-    fn = tw._w4a16_indexed_wide_kernel if wide else tw._w4a16_indexed_kernel
+    fn = (tw._w4a16_indexed_wide_kernel if wide else tw._w4a16_indexed_streamk_kernel
+          if stream_k else tw._w4a16_indexed_kernel)
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
-            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
+            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32",
+            "parts_ptr": "*fp32", "arrivals_ptr": "*i32"}
     consts = dict(TOP_K=8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_ORDER=K_ORDERS.index(k_order),
                   EVEN_N=True, COMPUTE_F32=False)
     if wide:
         consts["N_TILES"] = n_tiles
+    elif stream_k:
+        consts.update(GATED=gated)
     else:
         consts.update(GATED=gated, SPLIT_K=1)
     sig = {}
@@ -97,11 +102,13 @@ def main() -> None:
     ap.add_argument("cfg", nargs="+")
     ap.add_argument("--dump")
     ap.add_argument("--maxnreg", type=int)
+    ap.add_argument("--stream-k", action="store_true", help="the stream-K kernel")
     a = ap.parse_args()
     bm, bn, bk, warps, stages = (int(v) for v in a.cfg[:5])
     gated = len(a.cfg) > 6 and a.cfg[6] == "1"
     n_tiles = int(a.cfg[7]) if len(a.cfg) > 7 else 1
-    kernel = compile_kernel(bm, bn, bk, warps, stages, a.cfg[5], gated, n_tiles, a.maxnreg)
+    kernel = compile_kernel(bm, bn, bk, warps, stages, a.cfg[5], gated, n_tiles, a.maxnreg,
+                            a.stream_k)
     sass = sass_of(kernel)
     if a.dump:
         open(a.dump, "w").write(sass)

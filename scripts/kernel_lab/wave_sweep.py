@@ -17,11 +17,19 @@ from chordq.kernels.bench_humming import LAYOUTS, convert_weights, time_graphs
 from chordq.kernels.triton_config import W4A16Config
 from chordq.kernels.triton_w4a16 import moe_gemm_indexed_triton
 
-SWEEPS = [  # (layout, proj, touched experts, configs)
-    ("TP8", "gate_up", range(112, 153, 4),
-     [(16, 128, 256, 4, 4, "subnormal"), (16, 64, 256, 4, 3, "subnormal", 1, 128)]),
-    ("EP8", "gate_up", range(16, 49, 2),
-     [(16, 64, 256, 4, 3, "subnormal", 1, 128), (16, 128, 256, 4, 4, "subnormal")]),
+Z16 = dict(k_order="subnormal")  # 16x128x256, 4 stages: 2 CTAs per SM
+R128 = dict(k_order="subnormal", max_registers=128)  # 16x64x256, 3 stages: 4 CTAs per SM
+SWEEPS = [  # (layout, proj, experts touched, configs)
+    ("TP8", "gate_up", [112, 120, 128, 132, 136, 144, 152],
+     [W4A16Config(16, 128, 256, 4, 4, **Z16), W4A16Config(16, 128, 256, 4, 4, **Z16, stream_k=2),
+      W4A16Config(16, 128, 256, 4, 4, **Z16, columns_first=True),
+      W4A16Config(16, 64, 256, 4, 3, **R128), W4A16Config(16, 64, 256, 4, 3, **R128,
+                                                          columns_first=True)]),
+    ("EP8", "gate_up", range(16, 49, 4),
+     [W4A16Config(16, 64, 256, 4, 3, **R128), W4A16Config(16, 64, 256, 4, 3, **R128,
+                                                          columns_first=True),
+      W4A16Config(16, 128, 256, 4, 4, **Z16), W4A16Config(16, 128, 256, 4, 4, **Z16, stream_k=2),
+      W4A16Config(16, 128, 256, 4, 4, **Z16, columns_first=True)]),
 ]
 
 
@@ -38,8 +46,7 @@ def main() -> None:
         scale = (0.003 * torch.exp2(0.5 * torch.randn(p.num_experts, p.n, p.k // 32,
                                                       generator=gen, device="cuda")))
         words, scales = convert_weights(words, scale.to(torch.bfloat16), "subnormal")
-        for c in configs:
-            cfg = W4A16Config(*c[:5], k_order=c[5], max_registers=c[7] if len(c) > 7 else None)
+        for cfg in configs:
             fns = {}
             for n in touched:
                 experts = torch.randperm(p.num_experts, generator=gen, device="cuda")[:n]
