@@ -4,7 +4,7 @@ where the grid's tiles pass a multiple of the CTA slots (SMs x CTAs per SM)?
 For each layout and config, n distinct experts get one route each (top_k = 1, n tokens), so the
 grid holds n x N / BLOCK_N tiles of equal work. Prints µs per n, interleaved CUDA-graph replays.
 
-usage (GPU machine, repo root): OUT=/tmp/lab python scripts/kernel_lab/wave_sweep.py
+usage (GPU machine, repo root): OUT=/tmp/lab [SWEEP_LAYOUTS=TP8] python scripts/kernel_lab/wave_sweep.py
 """
 
 import json
@@ -39,7 +39,8 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
-    for layout, proj, touched, configs in SWEEPS:
+    layouts = os.environ.get("SWEEP_LAYOUTS", "TP8,EP8").split(",")
+    for layout, proj, touched, configs in (w for w in SWEEPS if w[0] in layouts):
         p = next(q for q in LAYOUTS[layout] if q.proj == proj)
         words = torch.randint(-2**31, 2**31, (p.num_experts, p.n, p.k // 8), generator=gen,
                               dtype=torch.int64, device="cuda").to(torch.int32)
