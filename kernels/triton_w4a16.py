@@ -487,17 +487,19 @@ def _w4a16_indexed_streamk_kernel(
     COMPUTE_F32: tl.constexpr,
     COLUMNS_FIRST: tl.constexpr = False,
 ):
-    """Stream-K indexed GEMM: the live tiles' K steps, laid end to end, are cut into one equal
-    range per program, so every program does the same work whatever the number of tiles (one
-    program per tile leaves a last, partial wave: decode time steps by ~20% each time the
-    tiles pass a multiple of the CTA slots, ``scripts/kernel_lab/wave_sweep.py``).
+    """Stream-K indexed GEMM (opt-in, ``W4A16Config.stream_k``): the live tiles' K steps, laid
+    end to end, are cut into one equal range per program, so every program does the same work
+    whatever the number of tiles. Built to test whether decode's time steps (TP8 gate_up +20%
+    from 133 experts touched, ``scripts/kernel_lab/wave_sweep.py``) were a partial last wave;
+    they were not, and the heuristic does not use it (docs/kernel_notes.md, variant 22).
 
     A tile cut by a range boundary is finished by whichever of its two programs arrives second:
     both add their FP32 partial into the boundary's slot of ``parts_ptr``, count themselves in
     ``arrivals_ptr``, and the second reads the sum (an atomic add of zero, so it comes from
-    where the adds went), stores it, and zeroes slot and count for the next launch. At most one boundary falls inside a tile because every range
-    holds at least one tile's steps (programs beyond the live tiles exit), so the sum is
-    ``a + b`` in either order: deterministic.
+    where the adds went), stores it, and zeroes slot and count for the next launch. At most
+    one boundary falls inside a tile because every range holds at least one tile's steps
+    (programs beyond the live tiles exit), so the sum is ``a + b`` in either order:
+    deterministic.
     """
     ntp = tl.load(ntp_ptr)
     live_m = tl.minimum(tl.cdiv(ntp, BLOCK_M), num_m_blocks)
