@@ -17,8 +17,8 @@ from chordq.kernels.bench_humming import LAYOUTS, convert_weights, time_graphs
 from chordq.kernels.triton_config import W4A16Config
 from chordq.kernels.triton_w4a16 import moe_gemm_indexed_triton
 
-Z16 = dict(k_order="subnormal")  # 16x128x256, 4 stages: 2 CTAs per SM
-R128 = dict(k_order="subnormal", max_registers=128)  # 16x64x256, 3 stages: 4 CTAs per SM
+Z16 = {"k_order": "subnormal"}  # 16x128x256, 4 stages: 2 CTAs per SM
+R128 = {"k_order": "subnormal", "max_registers": 128}  # 16x64x256, 3 stages: 4 CTAs per SM
 SWEEPS = [  # (layout, proj, experts touched, configs)
     ("TP8", "gate_up", [112, 120, 128, 132, 136, 144, 152],
      [W4A16Config(16, 128, 256, 4, 4, **Z16), W4A16Config(16, 128, 256, 4, 4, **Z16, stream_k=2),
@@ -55,8 +55,8 @@ def main() -> None:
                 x = torch.randn(n, p.k, generator=gen, device="cuda").to(torch.bfloat16)
                 aligned = moe_align_block_size(topk, cfg.block_m, p.num_experts)
                 out = torch.empty(n, p.n, dtype=torch.bfloat16, device="cuda")
-                fns[n] = (lambda x=x, aligned=aligned, out=out, cfg=cfg:
-                          moe_gemm_indexed_triton(x, words, scales, *aligned, 1, cfg.block_m,
+                fns[n] = (lambda x=x, aligned=aligned, out=out, cfg=cfg, w=words, s=scales:
+                          moe_gemm_indexed_triton(x, w, s, *aligned, 1, cfg.block_m,
                                                   config=cfg, out=out, w_order="subnormal"))
             times = time_graphs(fns, 3, 20)
             for n in touched:
