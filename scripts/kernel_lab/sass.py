@@ -37,7 +37,7 @@ def compile_kernel(bm, bn, bk, warps, stages, k_order, gated=False, n_tiles=1, m
     consts = dict(TOP_K=8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_ORDER=K_ORDERS.index(k_order),
                   EVEN_N=True, COMPUTE_F32=False)
     if wide:
-        consts["N_TILES"] = n_tiles
+        consts.update(N_TILES=n_tiles, GATED=False)
     elif stream_k:
         consts.update(GATED=gated)
     else:
