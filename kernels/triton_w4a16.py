@@ -987,7 +987,8 @@ def moe_gemm_indexed_triton(
     partials = torch.empty(split, num_routes, n_w, dtype=torch.float32, device=x.device)
     _w4a16_indexed_kernel[(grid_m * n_tiles, split)](
         x, w_packed, w_scale, partials, sorted_token_ids, expert_ids, num_tokens_post_padded,
-        *args, n_w, TOP_K=top_k, SPLIT_K=split, **_launch_args(cfg, gated, n))
+        *args, n_w, TOP_K=top_k, SPLIT_K=split, COLUMNS_FIRST=cfg.columns_first,
+        **_launch_args(cfg, gated, n))
     reduce_n = min(128, cfg.block_n)
     _split_k_reduce_kernel[(grid_m * triton.cdiv(n, reduce_n),)](
         partials, out, sorted_token_ids, expert_ids, num_tokens_post_padded, num_routes, n,

@@ -327,17 +327,17 @@ def test_gpu_tile_table():
     """The shipped GPU tiles at Kimi shapes (EP8 gate_up N=4096 K=7168, down N=7168 K=2048;
     TP8 gate_up N=512), as measured in docs/kernel_notes.md: a change here is a tuning change."""
     want = {
-        (0.17, 4096, 7168): "16,64,256,4,3,Z,R128",  # EP8 decode
+        (0.17, 4096, 7168): "16,64,256,4,3,Z,R128,C",  # EP8 decode
         (5.3, 4096, 7168): "16,128,256,4,4,Z",  # EP8 T=32 gate_up
-        (5.3, 7168, 2048): "16,64,256,4,3,Z,R128",
+        (5.3, 7168, 2048): "16,64,256,4,3,Z,R128,C",
         (21.3, 4096, 7168): "32,128,256,4,3,Z",
         (42.7, 4096, 7168): "64,256,64,4,3,Z",
         (42.7, 7168, 2048): "64,128,64,4,4,Z",
         (341.3, 4096, 7168): "128,128,64,4,4,Z",
         (341.3, 7168, 2048): "128,128,64,4,4,Z",
         (1365.3, 7168, 2048): "128,256,128,8,3,Z",
-        (0.42, 512, 7168): "16,128,256,4,4,Z",  # TP8 decode
-        (2.67, 512, 7168): "16,64,256,4,3,Z,R128",  # TP8 T=128
+        (0.42, 512, 7168): "16,128,256,4,4,Z,C",  # TP8 decode
+        (2.67, 512, 7168): "16,64,256,4,3,Z,R128,C",  # TP8 T=128
         (0.42, 7168, 256): "16,64,256,4,4,Z,L14",  # TP8 down: column loop
     }
     got = {key: choose_config(*key, w_order="subnormal").label for key in want}
@@ -345,6 +345,8 @@ def test_gpu_tile_table():
     # as fragments the tiles are the same but for the 128-row down tile
     assert choose_config(341.3, 7168, 2048, w_order="fragments").label == "128,256,128,8,3,F"
     assert choose_config(42.7, 4096, 7168, w_order="fragments").label == "64,256,64,4,3,F"
+    assert choose_config(3.3, 2048, 7168, gated=True, w_order="subnormal").label == (
+        "16,64,256,4,4,Z,C")  # fused gate_up decode
 
 
 def test_row_tiles_heuristic():
