@@ -83,8 +83,8 @@ chordq's subnormal scales, ``subnormal_scales(scale)`` (the Triton kernels'
 ``2**129`` (exact: a power of two). A BF16 whose bits are below ``0x100`` is worth
 ``bits * 2**-133``, so the kernel masks a code into bits 4-7 of each BF16 half (``code *
 2**-129``) and one fma with the stored scale and ``-8 s`` gives ``bf16((code - 8) * s)``, the
-reference's value, in 11 instructions per word instead of 15 (``-8 s`` is taken once per
-scale). Scales must satisfy ``|s| < 0.498`` (larger ones would overflow BF16).
+reference's value, in 12 instructions per word instead of 15. Scales must satisfy ``|s| <
+0.498`` (larger ones would overflow BF16).
 
 Grouped scale, ``chord_grouped_scale(scale)``: the plain transpose ``[E, K/32, N]`` (N
 contiguous), no 8 x 8 permutation. Requires ``N % 64 == 0``.

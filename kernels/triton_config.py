@@ -46,7 +46,7 @@ class W4A16Config:
         ``"fragments"`` (the same dequantization on words converted once by
         ``chordq.layout.fragment_order``, so X is not permuted; needs ``w_order="fragments"``);
         ``"subnormal"`` (fragment words and ``chordq.layout.subnormal_scales``: each BF16 pair
-        is masked into subnormal range and finished by one fma, 11 instructions per word
+        is masked into subnormal range and finished by one fma, 12 instructions per word
         instead of 15; needs ``w_order="subnormal"``).
     :param split_k: split the K steps over this many programs per output tile (indexed path):
         FP32 partials, then a reduce kernel. For grids too thin to fill the GPU.

@@ -164,11 +164,11 @@ mul.rn.bf16x2 $3, $3, $6;
 # The same pairs from scales stored times 2**129 (``chordq.layout.subnormal_scales``): a BF16
 # whose bits are below 0x100 is worth bits * 2**-133 (the lowest two binades are evenly spaced),
 # so a nibble masked into bits 4-7 of each half is code * 2**-129 with no OR and no subtract,
-# and one fma gives code * s - 8 s rounded once: the reference's bf16((code - 8) * s). 11
-# instructions per word instead of 15. $6 is {s', s'} = {s * 2**129, ...}, $7 is {-8 s, ...}
-# (_SUBNORMAL_BIAS_ASM).
+# and one fma gives code * s - 8 s rounded once: the reference's bf16((code - 8) * s). 12
+# instructions per word instead of 15. $6 is {s', s'} = {s * 2**129, ...}; 0x80808080 is
+# {-2**-126, ...}, so b = -8 s exactly.
 _DEQUANT_SUBNORMAL_ASM = tl.constexpr("""{
-.reg .b32 t0, t2, t3;
+.reg .b32 t0, t2, t3, b, c;
 shl.b32 t0, $4, 4;
 shr.u32 t2, $4, 4;
 shr.u32 t3, $4, 8;
@@ -176,26 +176,13 @@ and.b32 $0, t0, 0x00f000f0;
 and.b32 $1, $4, 0x00f000f0;
 and.b32 $2, t2, 0x00f000f0;
 and.b32 $3, t3, 0x00f000f0;
-fma.rn.bf16x2 $0, $0, $6, $7;
-fma.rn.bf16x2 $1, $1, $6, $7;
-fma.rn.bf16x2 $2, $2, $6, $7;
-fma.rn.bf16x2 $3, $3, $6, $7;
-}""")
-
-# The fma's addend: {-8 s, ...} = s' * -2**-126 (0x80808080 is {-2**-126, ...}), exact. Taken on
-# the scale tile before its broadcast, it is one multiplication per scale, not per word.
-_SUBNORMAL_BIAS_ASM = tl.constexpr("""{
-.reg .b32 c;
 mov.b32 c, 0x80808080;
-mul.rn.bf16x2 $0, $1, c;
+mul.rn.bf16x2 b, $6, c;
+fma.rn.bf16x2 $0, $0, $6, b;
+fma.rn.bf16x2 $1, $1, $6, b;
+fma.rn.bf16x2 $2, $2, $6, b;
+fma.rn.bf16x2 $3, $3, $6, b;
 }""")
-
-
-@triton.jit
-def _per_word(group_values, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``[BLOCK_N, BLOCK_K/32]`` per-group values -> ``[BLOCK_N, BLOCK_K/8]``, one per word."""
-    return tl.reshape(tl.broadcast_to(group_values[:, :, None], (BLOCK_N, BLOCK_K // 32, 4)),
-                      (BLOCK_N, BLOCK_K // 8))
 
 
 @triton.jit
@@ -214,11 +201,12 @@ def _dequant_tile_pairs(
 
     Adjacent columns are the two halves of one BF16x2 register, as the tensor-core operand
     wants them, so the PTX above feeds the dot with no repacking: ~15 instructions per word
-    (11 with SUBNORMAL) against ~35 for shift-mask-convert per nibble.
+    (12 with SUBNORMAL) against ~35 for shift-mask-convert per nibble.
     """
     words = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
-    group_scales = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
-    scales = _per_word(group_scales, BLOCK_N, BLOCK_K)
+    scales = tl.load(s_ptrs, mask=n_mask[:, None], other=0.0)
+    scales = tl.reshape(tl.broadcast_to(scales[:, :, None], (BLOCK_N, BLOCK_K // 32, 4)),
+                        (BLOCK_N, BLOCK_K // 8))
     if COMPUTE_F32:
         if SUBNORMAL:  # back to the true scale, exactly (two powers of two: FP32 ends at 2**-149)
             scales = scales.to(tl.float32) * 5.421010862427522e-20 * 2.710505431213761e-20
@@ -227,20 +215,10 @@ def _dequant_tile_pairs(
         p2 = tl.join(_dequant_plane(words, 8, scales, 1), _dequant_plane(words, 24, scales, 1))
         p3 = tl.join(_dequant_plane(words, 12, scales, 1), _dequant_plane(words, 28, scales, 1))
     else:
-        if SUBNORMAL:
-            bias = tl.inline_asm_elementwise(
-                _SUBNORMAL_BIAS_ASM, "=r,r", [tl.join(group_scales, group_scales)],
-                dtype=tl.bfloat16, is_pure=True, pack=2)
-            bias = _per_word(tl.split(bias)[0], BLOCK_N, BLOCK_K)
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                _DEQUANT_SUBNORMAL_ASM, "=r,=r,=r,=r,r,r,r,r",
-                [tl.join(words, words), tl.join(scales, scales), tl.join(bias, bias)],
-                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
-        else:
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                _DEQUANT_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [tl.join(words, words),
-                                                          tl.join(scales, scales)],
-                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            _DEQUANT_SUBNORMAL_ASM if SUBNORMAL else _DEQUANT_PAIRS_ASM, "=r,=r,=r,=r,r,r,r",
+            [tl.join(words, words), tl.join(scales, scales)],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     pairs = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [BLOCK_N, w, h, j & 1, j >> 1]
     if FRAGMENTS:  # word 4 g + t, pair j, half h: k = 32 g + 16 (j >> 1) + 8 (j & 1) + 2 t + h
         tile = tl.permute(tl.reshape(pairs, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2)),
