@@ -355,16 +355,16 @@ def _store_tile(out_ptr, acc, acc_up, out_rows, row_mask, offs_n, N, stride_om,
 
 
 @triton.jit
-def _indexed_tile(num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
+def _indexed_tile(pid, num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N=0,
                   COLUMNS_FIRST: tl.constexpr = False):
-    """(expert, route ids, valid rows, output columns) of this program's tile; expert -1 when
-    there is nothing to do (past ``num_tokens_post_padded``, or an expert on another rank).
+    """(expert, route ids, valid rows, output columns) of tile ``pid`` of a grid with
+    ``num_m_blocks`` row blocks; expert -1 when there is nothing to do (past
+    ``num_tokens_post_padded``, or an expert on another rank).
 
     Row blocks vary fastest so the tiles sharing one weight tile run together (L2 reuse);
     with COLUMNS_FIRST the column tiles of one row block do (one expert's weights at a time).
     """
-    pid = tl.program_id(0)
     if COLUMNS_FIRST:
         n_col = tl.cdiv(N, BLOCK_N)
         pid_m = pid // n_col
@@ -410,9 +410,9 @@ def _w4a16_indexed_kernel(
     COMPUTE_F32: tl.constexpr,
     COLUMNS_FIRST: tl.constexpr = False,
 ):
-    expert, routes, row_mask, offs_n = _indexed_tile(num_m_blocks, ntp_ptr, expert_ids_ptr,
-                                                     sorted_ids_ptr, num_routes, BLOCK_M, BLOCK_N,
-                                                     N, COLUMNS_FIRST)
+    expert, routes, row_mask, offs_n = _indexed_tile(
+        tl.program_id(0), num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
+        BLOCK_M, BLOCK_N, N, COLUMNS_FIRST)
     if expert < 0:
         return  # rows left unwritten
     steps = K // BLOCK_K
@@ -495,16 +495,9 @@ def _w4a16_indexed_streamk_kernel(
         tile = (it // steps).to(tl.int32)
         first = (it - tile.to(tl.int64) * steps).to(tl.int32)
         num = tl.minimum(steps - first, (end - it).to(tl.int32))
-        if COLUMNS_FIRST:
-            pid_m = tile // tl.cdiv(N, BLOCK_N)
-            offs_n = (tile % tl.cdiv(N, BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
-        else:
-            pid_m = tile % live_m
-            offs_n = (tile // live_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        routes = tl.load(sorted_ids_ptr + offs, mask=offs < ntp, other=num_routes).to(tl.int64)
-        row_mask = routes < num_routes
+        expert, routes, row_mask, offs_n = _indexed_tile(tile, live_m, ntp_ptr, expert_ids_ptr,
+                                                         sorted_ids_ptr, num_routes, BLOCK_M,
+                                                         BLOCK_N, N, COLUMNS_FIRST)
         if expert >= 0:  # both programs of a cut tile skip an expert of another rank alike
             acc, acc_up = _w4a16_tile(x_ptr, routes // TOP_K, row_mask, w_ptr, s_ptr, expert,
                                       offs_n, N, first, num, stride_xm, stride_we, stride_wn,
@@ -567,8 +560,9 @@ def _w4a16_indexed_wide_kernel(
     in flight while one is dequantized (a one-step K loop has nothing to pipeline), and X is
     read once per ``N_TILES`` tiles instead of once per tile."""
     tl.static_assert(not GATED, "the column loop has no SiLU-and-mul epilogue")
-    expert, routes, row_mask, _ = _indexed_tile(num_m_blocks, ntp_ptr, expert_ids_ptr,
-                                                sorted_ids_ptr, num_routes, BLOCK_M, BLOCK_N)
+    expert, routes, row_mask, _ = _indexed_tile(
+        tl.program_id(0), num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
+        BLOCK_M, BLOCK_N)
     if expert < 0:
         return
     pid_n = tl.program_id(0) // num_m_blocks
@@ -613,8 +607,9 @@ def _split_k_reduce_kernel(
 ):
     """Sum the split-K partials in split order (deterministic) and finish like SPLIT_K == 1.
     Same row blocks as the GEMM, so exactly the rows it owns are written."""
-    expert, routes, row_mask, offs_n = _indexed_tile(num_m_blocks, ntp_ptr, expert_ids_ptr,
-                                                     sorted_ids_ptr, num_routes, BLOCK_M, BLOCK_N)
+    expert, routes, row_mask, offs_n = _indexed_tile(
+        tl.program_id(0), num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
+        BLOCK_M, BLOCK_N)
     if expert < 0:
         return
     mask = row_mask[None, :] & (offs_n < N)[:, None]
