@@ -1,11 +1,13 @@
 """Time the indexed W4A16 GEMM with one row-tile size against mixed row tiles
 (``align.moe_align_mixed`` + ``moe_gemm_mixed_triton``: blocks of 128, 64, 32 ... rows, one
 launch per size) on the GPU: CUDA graphs, replays interleaved, cos_diff against the reference
-on the single alignment. Every launch takes the heuristic's config for its block size.
+on the single alignment. Every launch takes the heuristic's config for its block size, on
+subnormal weights (the shipped ones).
 
-The numbers behind ``triton_config.choose_row_tiles`` (docs/kernel_notes.md, variant 15).
+The numbers behind ``triton_config.choose_row_tiles`` (docs/kernel_notes.md, variants 15, 24).
 
-Usage (repo root, GPU machine): ``OUT=/tmp/lab python scripts/kernel_lab/mixed_tiles.py``
+Usage (repo root, GPU machine): ``OUT=/tmp/lab [MIXED_T="512 1024"] python
+scripts/kernel_lab/mixed_tiles.py`` (MIXED_T: only the rows of these token counts)
 """
 
 import json
@@ -15,11 +17,10 @@ import torch
 
 from chordq.kernels import bench as B
 from chordq.kernels.align import moe_align_block_size, moe_align_mixed
-from chordq.kernels.bench_humming import LAYOUTS, floor_model, time_graphs
+from chordq.kernels.bench_humming import LAYOUTS, convert_weights, floor_model, time_graphs
 from chordq.kernels.reference import cos_diff, moe_gemm_indexed_reference
 from chordq.kernels.triton_config import choose_config
 from chordq.kernels.triton_w4a16 import indexed_config, moe_gemm_mixed_triton
-from chordq.layout import fragment_order
 
 # (layout, projection, tokens per GPU, activation)
 ROWS = [("EP8", "gate_up", 256, None), ("EP8", "down", 256, None),
@@ -36,15 +37,19 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights, routings, results = {}, {}, []
+    only = os.environ.get("MIXED_T")
     for layout, proj, tokens, act in ROWS:
+        if only and str(tokens) not in only.split():
+            continue
         p = next(q for q in LAYOUTS[layout] if q.proj == proj)
         if (layout, proj) not in weights:
             w = torch.randint(-2**31, 2**31, (p.num_experts, p.n, p.k // 8), generator=gen,
                               dtype=torch.int64, device="cuda").to(torch.int32)
             s = (0.01 * torch.exp2(0.5 * torch.randn(p.num_experts, p.n, p.k // 32,
                                                      generator=gen, device="cuda")))
-            weights[(layout, proj)] = (w, s.to(torch.bfloat16), fragment_order(w))
-        w, s, wf = weights[(layout, proj)]
+            s = s.to(torch.bfloat16)
+            weights[(layout, proj)] = (w, s, *convert_weights(w, s, "subnormal"))
+        w, s, wf, sf = weights[(layout, proj)]
         if (layout, tokens) not in routings:
             scores = torch.rand(tokens, p.num_experts, generator=gen, device="cuda")
             routings[(layout, tokens)] = scores.topk(8, dim=-1).indices.to(torch.int32)
@@ -54,7 +59,7 @@ def main() -> None:
         x = torch.randn(p.input_rows(tokens), p.k, generator=gen, device="cuda").to(torch.bfloat16)
         floor_us = floor_model(p, tokens, int(torch.unique(topk).numel()))["floor_us"]
         bm = choose_config(rows / p.num_experts, n_out, p.k, gated=act is not None,
-                           w_order="fragments").block_m
+                           w_order="subnormal").block_m
         single = moe_align_block_size(topk, bm, p.num_experts)
         want = moe_gemm_indexed_reference(x, w, s, *single, p.top_k, bm, activation=act)
         variants = {f"single {bm}": [(bm, single)]}
@@ -65,13 +70,13 @@ def main() -> None:
         for name, pieces in variants.items():
             out = torch.empty(rows, n_out, dtype=torch.bfloat16, device="cuda")
             fns[name] = (lambda pieces=pieces, out=out: moe_gemm_mixed_triton(
-                x, wf, s, pieces, p.top_k, activation=act, out=out, w_order="fragments"))
+                x, wf, sf, pieces, p.top_k, activation=act, out=out, w_order="subnormal"))
             fns[name]()
             torch.cuda.synchronize()
             outs[name] = out
             info[name] = ([int(a[1].numel()) for _, a in pieces],
                           [indexed_config(rows, p.num_experts, n_out, p.k, size, activation=act,
-                                          w_order="fragments").label for size, _ in pieces])
+                                          w_order="subnormal").label for size, _ in pieces])
         for name, t in time_graphs(fns, 5, B.GRAPH_CALLS).items():
             blocks, labels = info[name]
             r = {"layout": layout, "proj": proj, "T": tokens, "act": act, "variant": name,

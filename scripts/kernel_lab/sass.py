@@ -42,6 +42,9 @@ def compile_kernel(bm, bn, bk, warps, stages, k_order, gated=False, n_tiles=1, m
         consts.update(GATED=gated)
     else:
         consts.update(GATED=gated, SPLIT_K=1)
+    for param in fn.params:  # constexprs left at their defaults (else they'd compile as i32)
+        if param.is_constexpr and param.name not in consts and param.has_default:
+            consts[param.name] = param.default
     sig = {}
     for name in fn.arg_names:
         sig[name] = "constexpr" if name in consts else ptrs.get(name, "i32")
