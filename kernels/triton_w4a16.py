@@ -465,11 +465,12 @@ def _w4a16_indexed_streamk_kernel(
     COMPUTE_F32: tl.constexpr,
     COLUMNS_FIRST: tl.constexpr = False,
 ):
-    """Stream-K indexed GEMM (opt-in, ``W4A16Config.stream_k``): the live tiles' K steps, laid
-    end to end, are cut into one equal range per program, so every program does the same work
-    whatever the number of tiles. Built to test whether decode's time steps (TP8 gate_up +20%
-    from 133 experts touched, ``scripts/kernel_lab/wave_sweep.py``) were a partial last wave;
-    they were not, and the heuristic does not use it (docs/kernel_notes.md, variant 22).
+    """Stream-K indexed GEMM (opt-in, ``W4A16Config.stream_k``) for grids that end in a thin
+    last wave, such as TP8 decode past ~133 experts touched (``wave_sweep.py``; docs/
+    kernel_notes.md, variants 22 and 25). Persistent programs take whole tiles for the full
+    waves; when the last wave would be under 80% full, it and the full wave before it are
+    laid end to end as K steps and cut into one equal range per program, so every program
+    ends at about the same time.
 
     A tile cut by a range boundary is finished by whichever of its two programs arrives second:
     both add their FP32 partial into the boundary's slot of ``parts_ptr``, count themselves in
@@ -487,13 +488,30 @@ def _w4a16_indexed_streamk_kernel(
     if pid >= programs:
         return
     steps = K // BLOCK_K
-    total = tiles.to(tl.int64) * steps
+    # Full waves run one whole tile per program; only a last wave under 80% full, with the
+    # full wave before it, is shared out by K steps (cutting tiles costs ~7%, plan25)
+    tail = tiles % programs
+    sk_tiles = tl.where((tail > 0) & (tail * 5 < programs * 4),
+                        tl.minimum(tiles, tail + programs), 0)
+    dp_tiles = tiles - sk_tiles
+    for tile in range(pid, dp_tiles, programs):
+        expert, routes, row_mask, offs_n = _indexed_tile(tile, live_m, ntp_ptr, expert_ids_ptr,
+                                                         sorted_ids_ptr, num_routes, BLOCK_M,
+                                                         BLOCK_N, N, COLUMNS_FIRST)
+        if expert >= 0:
+            acc, acc_up = _w4a16_tile(x_ptr, routes // TOP_K, row_mask, w_ptr, s_ptr, expert,
+                                      offs_n, N, 0, steps, stride_xm, stride_we, stride_wn,
+                                      stride_se, stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      K_ORDER, EVEN_N, COMPUTE_F32)
+            _store_tile(out_ptr, acc, acc_up, routes, row_mask, offs_n, N, stride_om, GATED,
+                        COMPUTE_F32)
+    total = sk_tiles.to(tl.int64) * steps
     it = pid * total // programs
     end = (pid + 1) * total // programs
     slot_ptrs = (tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
     while it < end:
-        tile = (it // steps).to(tl.int32)
-        first = (it - tile.to(tl.int64) * steps).to(tl.int32)
+        tile = dp_tiles + (it // steps).to(tl.int32)
+        first = (it - (tile - dp_tiles).to(tl.int64) * steps).to(tl.int32)
         num = tl.minimum(steps - first, (end - it).to(tl.int32))
         expert, routes, row_mask, offs_n = _indexed_tile(tile, live_m, ntp_ptr, expert_ids_ptr,
                                                          sorted_ids_ptr, num_routes, BLOCK_M,

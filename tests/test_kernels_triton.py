@@ -210,12 +210,16 @@ def test_indexed_split_k(device, cfg, gated):
                                      activation="silu_mul" if gated else None)
 
 
-# Stream-K with _num_sms() = 1, so stream_k is the program count: 3 and 5 programs cut
-# tiles between programs (K = 256 is 4 steps of 64), 64 programs outnumber the live tiles.
+# Stream-K with _num_sms() = 1, so stream_k is the program count. The 16x32 tiles make 32 live
+# tiles (8 row blocks, one of them an expert on another rank), the 32x64 ones 16; K = 256 is 4
+# steps of 64. 3 and 5 programs: whole tiles for the full waves, the last two waves cut between
+# programs; 20 programs: every tile shared out by K steps (the last wave is 12 of 20); 64:
+# more programs than tiles, one whole tile each.
 STREAM_K_CONFIGS = [
     W4A16Config(16, 32, 64, 4, 2, k_order="subnormal", stream_k=3),
     W4A16Config(16, 32, 64, 4, 2, k_order="fragments", stream_k=5, columns_first=True),
     W4A16Config(32, 64, 64, 4, 3, stream_k=64),
+    W4A16Config(16, 32, 64, 4, 2, k_order="pairs", stream_k=20),
 ]
 
 

@@ -20,11 +20,11 @@ from chordq.kernels.triton_w4a16 import moe_gemm_indexed_triton
 Z16 = {"k_order": "subnormal"}  # 16x128x256, 4 stages: 2 CTAs per SM
 R128 = {"k_order": "subnormal", "max_registers": 128}  # 16x64x256, 3 stages: 4 CTAs per SM
 SWEEPS = [  # (layout, proj, experts touched, configs)
-    ("TP8", "gate_up", [112, 120, 128, 132, 136, 144, 152],
-     [W4A16Config(16, 128, 256, 4, 4, **Z16), W4A16Config(16, 128, 256, 4, 4, **Z16, stream_k=2),
-      W4A16Config(16, 128, 256, 4, 4, **Z16, columns_first=True),
-      W4A16Config(16, 64, 256, 4, 3, **R128), W4A16Config(16, 64, 256, 4, 3, **R128,
-                                                          columns_first=True)]),
+    ("TP8", "gate_up", [112, 128, 132, 133, 136, 144, 166, 200],
+     [W4A16Config(16, 128, 256, 4, 4, **Z16, columns_first=True),
+      W4A16Config(16, 128, 256, 4, 4, **Z16, stream_k=2, columns_first=True),
+      W4A16Config(16, 64, 256, 4, 3, **R128, columns_first=True),
+      W4A16Config(16, 64, 256, 4, 3, **R128, stream_k=4, columns_first=True)]),
     ("EP8", "gate_up", range(16, 49, 4),
      [W4A16Config(16, 64, 256, 4, 3, **R128), W4A16Config(16, 64, 256, 4, 3, **R128,
                                                           columns_first=True),
