@@ -59,7 +59,7 @@ class W4A16Config:
         CTAs per SM the tile reaches) take whole tiles for the full waves and share out a thin
         last wave (under 80% full) by K steps; a tile cut between two programs is summed in
         FP32 by the second. Opt-in: on the 16x128x256 decode tile it saves 8-11% where the
-        last wave is thin (TP8 T=20 above ~133 experts) and costs 3-5% elsewhere, up to 17% on
+        last wave is thin (TP8 T=20 above ~133 experts) and costs 3-6% elsewhere, up to 17% on
         the 4-per-SM R128 tile (plan26, wave_sweep), so the heuristic does not use it.
     :param columns_first: programs walk one row block's column tiles before the next row
         block (one expert's weights at a time) instead of row blocks first (indexed path).
