@@ -435,6 +435,47 @@ def _w4a16_indexed_kernel(
 
 
 @triton.jit
+def _streamk_piece(tile, first, num, steps, slot, live_m, x_ptr, w_ptr, s_ptr, out_ptr,
+                   sorted_ids_ptr, expert_ids_ptr, ntp_ptr, parts_ptr, arrivals_ptr, num_routes,
+                   N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+                   TOP_K: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ORDER: tl.constexpr,
+                   EVEN_N: tl.constexpr, COMPUTE_F32: tl.constexpr,
+                   COLUMNS_FIRST: tl.constexpr):
+    """K steps ``first .. first + num`` of ``tile`` for the stream-K kernel: a whole tile is
+    stored; a cut one is added into boundary ``slot`` of ``parts_ptr`` and stored by the
+    second of its two programs to arrive (see ``_w4a16_indexed_streamk_kernel``)."""
+    expert, routes, row_mask, offs_n = _indexed_tile(tile, live_m, ntp_ptr, expert_ids_ptr,
+                                                     sorted_ids_ptr, num_routes, BLOCK_M,
+                                                     BLOCK_N, N, COLUMNS_FIRST)
+    if expert >= 0:  # both programs of a cut tile skip an expert of another rank alike
+        acc, acc_up = _w4a16_tile(x_ptr, routes // TOP_K, row_mask, w_ptr, s_ptr, expert,
+                                  offs_n, N, first, num, stride_xm, stride_we, stride_wn,
+                                  stride_se, stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  K_ORDER, EVEN_N, COMPUTE_F32)
+        if num == steps:
+            _store_tile(out_ptr, acc, acc_up, routes, row_mask, offs_n, N, stride_om, GATED,
+                        COMPUTE_F32)
+        else:
+            part = (parts_ptr + slot * (2 * BLOCK_N * BLOCK_M)
+                    + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
+            tl.atomic_add(part, acc, sem="relaxed")
+            if GATED:
+                tl.atomic_add(part + BLOCK_N * BLOCK_M, acc_up, sem="relaxed")
+            tl.debug_barrier()  # every thread's partial is in before the count
+            if tl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel") == 1:
+                zeros = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                acc = tl.atomic_add(part, zeros, sem="relaxed")  # read where the adds went
+                tl.store(part, zeros)
+                if GATED:
+                    acc_up = tl.atomic_add(part + BLOCK_N * BLOCK_M, zeros, sem="relaxed")
+                    tl.store(part + BLOCK_N * BLOCK_M, zeros)
+                tl.store(arrivals_ptr + slot, 0)
+                _store_tile(out_ptr, acc, acc_up, routes, row_mask, offs_n, N, stride_om,
+                            GATED, COMPUTE_F32)
+
+
+@triton.jit
 def _w4a16_indexed_streamk_kernel(
     x_ptr,  # bf16 [num_routes / TOP_K, K]
     w_ptr,  # int32 [E, N_w, K/8]
@@ -495,52 +536,24 @@ def _w4a16_indexed_streamk_kernel(
                         tl.minimum(tiles, tail + programs), 0)
     dp_tiles = tiles - sk_tiles
     for tile in range(pid, dp_tiles, programs):
-        expert, routes, row_mask, offs_n = _indexed_tile(tile, live_m, ntp_ptr, expert_ids_ptr,
-                                                         sorted_ids_ptr, num_routes, BLOCK_M,
-                                                         BLOCK_N, N, COLUMNS_FIRST)
-        if expert >= 0:
-            acc, acc_up = _w4a16_tile(x_ptr, routes // TOP_K, row_mask, w_ptr, s_ptr, expert,
-                                      offs_n, N, 0, steps, stride_xm, stride_we, stride_wn,
-                                      stride_se, stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      K_ORDER, EVEN_N, COMPUTE_F32)
-            _store_tile(out_ptr, acc, acc_up, routes, row_mask, offs_n, N, stride_om, GATED,
-                        COMPUTE_F32)
+        _streamk_piece(tile, 0, steps, steps, 0, live_m, x_ptr, w_ptr, s_ptr, out_ptr,
+                       sorted_ids_ptr, expert_ids_ptr, ntp_ptr, parts_ptr, arrivals_ptr,
+                       num_routes, N, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                       stride_om, TOP_K, GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, EVEN_N,
+                       COMPUTE_F32, COLUMNS_FIRST)
     total = sk_tiles.to(tl.int64) * steps
     it = pid * total // programs
     end = (pid + 1) * total // programs
-    slot_ptrs = (tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
     while it < end:
         tile = dp_tiles + (it // steps).to(tl.int32)
         first = (it - (tile - dp_tiles).to(tl.int64) * steps).to(tl.int32)
         num = tl.minimum(steps - first, (end - it).to(tl.int32))
-        expert, routes, row_mask, offs_n = _indexed_tile(tile, live_m, ntp_ptr, expert_ids_ptr,
-                                                         sorted_ids_ptr, num_routes, BLOCK_M,
-                                                         BLOCK_N, N, COLUMNS_FIRST)
-        if expert >= 0:  # both programs of a cut tile skip an expert of another rank alike
-            acc, acc_up = _w4a16_tile(x_ptr, routes // TOP_K, row_mask, w_ptr, s_ptr, expert,
-                                      offs_n, N, first, num, stride_xm, stride_we, stride_wn,
-                                      stride_se, stride_sn, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      K_ORDER, EVEN_N, COMPUTE_F32)
-            if num == steps:
-                _store_tile(out_ptr, acc, acc_up, routes, row_mask, offs_n, N, stride_om, GATED,
-                            COMPUTE_F32)
-            else:
-                slot = pid if first > 0 else pid + 1  # the boundary inside this tile
-                part = parts_ptr + slot * (2 * BLOCK_N * BLOCK_M) + slot_ptrs
-                tl.atomic_add(part, acc, sem="relaxed")
-                if GATED:
-                    tl.atomic_add(part + BLOCK_N * BLOCK_M, acc_up, sem="relaxed")
-                tl.debug_barrier()  # every thread's partial is in before the count
-                if tl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel") == 1:
-                    zeros = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                    acc = tl.atomic_add(part, zeros, sem="relaxed")  # read where the adds went
-                    tl.store(part, zeros)
-                    if GATED:
-                        acc_up = tl.atomic_add(part + BLOCK_N * BLOCK_M, zeros, sem="relaxed")
-                        tl.store(part + BLOCK_N * BLOCK_M, zeros)
-                    tl.store(arrivals_ptr + slot, 0)
-                    _store_tile(out_ptr, acc, acc_up, routes, row_mask, offs_n, N, stride_om,
-                                GATED, COMPUTE_F32)
+        slot = pid if first > 0 else pid + 1  # the boundary inside a cut tile
+        _streamk_piece(tile, first, num, steps, slot, live_m, x_ptr, w_ptr, s_ptr, out_ptr,
+                       sorted_ids_ptr, expert_ids_ptr, ntp_ptr, parts_ptr, arrivals_ptr,
+                       num_routes, N, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                       stride_om, TOP_K, GATED, BLOCK_M, BLOCK_N, BLOCK_K, K_ORDER, EVEN_N,
+                       COMPUTE_F32, COLUMNS_FIRST)
         it += num
 
 
