@@ -510,8 +510,7 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
     """
     from .align import align_row_tiles, moe_align_block_size
     from .reference import moe_gemm_indexed_reference, silu_and_mul_reference
-    from .triton_config import choose_row_tiles
-    from .triton_w4a16 import indexed_config, moe_gemm_mixed_triton
+    from .triton_w4a16 import indexed_config, moe_gemm_mixed_triton, row_tiles
 
     dev = words.device
     chordq_words, chordq_scales = chordq_weights or (words, scales)
@@ -541,8 +540,9 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
             n_out = p.n // 2 if gated else p.n
             # The shipped path: the heuristic's row tiles (one size, or several with one launch
             # per size) and config=None, so the wrapper's heuristic (and split-K) decide.
-            pieces = align_row_tiles(topk_ids, choose_row_tiles(rows_per_expert, n_out, p.k),
-                                     p.num_experts)
+            pieces = align_row_tiles(topk_ids, row_tiles(rows_per_expert, n_out, p.k,
+                                                         p.num_experts, dev, opts.w_order,
+                                                         gated=gated), p.num_experts)
             labels = [indexed_config(rows, p.num_experts, n_out, p.k, bm, activation=act,
                                      w_order=opts.w_order, device=dev).label
                       for bm, _ in pieces]

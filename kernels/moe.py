@@ -135,9 +135,8 @@ def _fused_moe_triton(
     w_order: str,
 ) -> torch.Tensor:
     # Imported here so the reference path works where Triton is not installed.
-    from .triton_config import choose_row_tiles
     from .triton_moe_sum import moe_sum_triton
-    from .triton_w4a16 import moe_gemm_mixed_triton
+    from .triton_w4a16 import moe_gemm_mixed_triton, row_tiles
 
     m, h = x.shape
     e, two_i, _ = w13_packed.shape
@@ -145,7 +144,11 @@ def _fused_moe_triton(
     # One alignment serves both GEMMs: its blocks are the gate_up tiles' row counts (one size,
     # or 128 + 64 + 32 at 128-256 rows per expert), and the wrappers' own heuristic (same
     # shapes, so the same tiles, plus split-K for thin grids) picks the rest.
-    sizes = choose_row_tiles(m * top_k / e, two_i // 2, h, interpret=x.device.type == "cpu")
+    # The Gluon decode blocks (8 rows) serve the down GEMM too: its K (I) must be whole 256-deep
+    # steps and its N (H) whole 128-column tiles.
+    down_ok = (two_i // 2) % 256 == 0 and h % 128 == 0
+    sizes = row_tiles(m * top_k / e, two_i // 2, h, e, x.device, w_order, gated=True,
+                      gluon=down_ok)
     pieces = align_row_tiles(topk_ids, sizes, e)
     act = moe_gemm_mixed_triton(x, w13_packed, w13_scale, pieces, top_k, activation="silu_mul",
                                 w_order=w_order)

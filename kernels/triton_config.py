@@ -9,9 +9,11 @@ sits in the dot's N slot where 16 is the minimum.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
-__all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k"]
+__all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
+           "gluon_decode_applies", "GLUON_DECODE_TILE"]
 
 GROUP_SIZE = 32
 K_ORDERS = ("natural", "planes", "pairs", "fragments", "subnormal")
@@ -63,6 +65,10 @@ class W4A16Config:
         the 4-per-SM R128 tile (plan26, wave_sweep), so the heuristic does not use it.
     :param columns_first: programs walk one row block's column tiles before the next row
         block (one expert's weights at a time) instead of row blocks first (indexed path).
+    :param backend: ``"triton"``, or ``"gluon"`` for ``gluon_w4a16``'s 8-row ``mma.sync``
+        decode tile (indexed path, subnormal weights, sm_90 only): ``block_m`` 8, ``block_k``
+        256, ``num_stages`` the depth of its copy ring; with ``silu_mul`` ``block_n`` counts
+        the gate and up rows together.
     """
 
     block_m: int = 16
@@ -76,6 +82,7 @@ class W4A16Config:
     n_tiles: int = 1
     stream_k: int = 0
     columns_first: bool = False
+    backend: str = "triton"
 
     @property
     def label(self) -> str:
@@ -89,8 +96,9 @@ class W4A16Config:
         loop = f",L{self.n_tiles}" if self.n_tiles > 1 else ""
         stream = f",K{self.stream_k}" if self.stream_k else ""
         cols = ",C" if self.columns_first else ""
+        gluon = ",G" if self.backend == "gluon" else ""
         return (f"{self.block_m},{self.block_n},{self.block_k},{self.num_warps},"
-                f"{self.num_stages}{tag}{split}{regs}{loop}{stream}{cols}")
+                f"{self.num_stages}{tag}{split}{regs}{loop}{stream}{cols}{gluon}")
 
     def __post_init__(self) -> None:
         if self.k_order not in K_ORDERS:
@@ -104,12 +112,46 @@ class W4A16Config:
             raise ValueError(f"stream_k must be >= 0 and excludes split_k > 1 and n_tiles > 1, "
                              f"got stream_k={self.stream_k} split_k={self.split_k} "
                              f"n_tiles={self.n_tiles}")
+        if self.backend == "gluon":
+            if (self.block_m, self.block_k, self.k_order, self.split_k, self.n_tiles,
+                    self.stream_k) != (8, 256, "subnormal", 1, 1, 0) or self.block_n < 64:
+                raise ValueError(f"the gluon backend is the 8-row decode tile: block_m 8, "
+                                 f"block_k 256, block_n >= 64, k_order 'subnormal', no split_k, "
+                                 f"n_tiles or stream_k; got {self}")
+            return
+        if self.backend != "triton":
+            raise ValueError(f"backend must be 'triton' or 'gluon', got {self.backend!r}")
         if not (_is_pow2(self.block_m) and 16 <= self.block_m <= 128):
             raise ValueError(f"block_m must be a power of two in [16, 128], got {self.block_m}")
         if not (_is_pow2(self.block_n) and self.block_n >= 16):
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
         if not (_is_pow2(self.block_k) and self.block_k >= GROUP_SIZE):
             raise ValueError(f"block_k must be a power of two >= {GROUP_SIZE}, got {self.block_k}")
+
+
+# gluon_w4a16's tile: 4 warps of 32 weight rows, 2-stage copy ring. Picked on the H200
+# (scripts/kernel_lab/gluon_decode.py, Humming alongside): 2 stages beat 3 and 4 on 33 of 38
+# rows (the loop is a 256-deep K step; one in flight hides the latency); 64 or 256 rows per
+# CTA, 8 warps, or 16 token rows (X traffic doubles) were slower.
+GLUON_DECODE_TILE = W4A16Config(8, 128, 256, 4, 2, k_order="subnormal", backend="gluon")
+
+
+def gluon_decode_applies(rows_per_expert: float, n: int, k: int, num_experts: int,
+                         num_sms: int, gated: bool = False) -> bool:
+    """Whether ``choose_row_tiles`` takes the Gluon 8-row tile (given an sm_90 GPU and
+    subnormal weights): up to 6 rows per expert (one 8-row block for most experts; at 21 rows,
+    EP8 T=128, the three blocks re-dequantize the weights: 1.6-2.1x slower), K a multiple of
+    256, whole 64-column tiles, and a grid of at least 1.5 programs per SM (TP8 gate_up T=1,
+    32 tiles, ran 1.7x slower; EP8 gate_up T=1, 256 tiles, 0.97 of the Triton tile's time).
+
+    :param n: output features (with ``gated``, ``silu_mul``: per half; a tile then covers 64)
+    """
+    if not (0 < rows_per_expert <= 6 and k % 256 == 0 and n % 64 == 0 and num_experts > 0):
+        return False
+    touched = num_experts * -math.expm1(-rows_per_expert)  # experts hit by the routes
+    out_n = GLUON_DECODE_TILE.block_n // (2 if gated else 1)
+    tiles = touched * max(1, math.ceil(rows_per_expert / 8)) * n / out_n
+    return tiles >= 1.5 * num_sms
 
 
 def _block_m_for(rows_per_expert: float) -> int:
@@ -162,6 +204,11 @@ def choose_config(
         raise ValueError(f"K={k} is not a multiple of the group size {GROUP_SIZE}")
     if w_order not in W_ORDERS:
         raise ValueError(f"w_order must be one of {W_ORDERS}, got {w_order!r}")
+    if block_m == 8:  # the Gluon decode tile's blocks (choose_row_tiles with gluon_experts)
+        if interpret or w_order != "subnormal":
+            raise ValueError("8-row blocks are the Gluon decode tile's: it needs an sm_90 GPU "
+                             "and w_order='subnormal' weights")
+        return GLUON_DECODE_TILE
     cfg = _choose(rows_per_expert, n, k, gated, block_m, w_order != "checkpoint",
                   w_order == "subnormal", interpret)
     # the subnormal tiles are the fragment tiles with the cheaper dequantization (same loads)
@@ -241,10 +288,17 @@ def _choose(rows_per_expert: float, n: int, k: int, gated: bool, block_m: int | 
     return W4A16Config(bm, min(256, max_bn), _largest_dividing(k, 128), 8, 3, k_order="fragments")
 
 
-def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool = False
+def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool = False,
+                     gluon_experts: int = 0, num_sms: int = 132, gated: bool = False
                      ) -> tuple[int, ...]:
-    """Row-tile sizes for ``align.moe_align_mixed``: ``(128, 64, 32)`` for K > N, ``(128, 64)``
-    otherwise, at 128-256 rows per expert; elsewhere the one ``choose_config`` block.
+    """Row-tile sizes for ``align.moe_align_mixed``: ``(8,)``, the Gluon decode tile, where
+    ``gluon_decode_applies``; ``(128, 64, 32)`` for K > N, ``(128, 64)`` otherwise, at 128-256
+    rows per expert; elsewhere the one ``choose_config`` block.
+
+    :param gluon_experts: the local expert count when the Gluon tile can run (an sm_90 GPU and
+        subnormal weights: ``gluon_w4a16.gluon_ready``), else 0
+    :param num_sms: the GPU's SM count (for the Gluon tile's grid rule)
+    :param gated: the blocks serve a ``silu_mul`` GEMM (n: output features per half)
 
     There two 128-row blocks hold 129-256 rows, up to half of them padding; a 64- (or 32-) row
     block for the remainder runs less padding, in one more launch. Measured on the H200
@@ -253,6 +307,9 @@ def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool 
     -> 1242.9; at 85 rows (64 + 32 instead of 128) and 341 rows it lost or tied, the smaller
     tiles costing more per row than the padding they save.
     """
+    if (gluon_experts and not interpret
+            and gluon_decode_applies(rows_per_expert, n, k, gluon_experts, num_sms, gated)):
+        return (8,)
     if interpret or not 128 < rows_per_expert <= 256:
         return (_block_m_for(rows_per_expert),)
     return (128, 64, 32) if k > n else (128, 64)

@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from . import triton_config
 from .triton_config import (GROUP_SIZE, K_ORDER_OF, K_ORDERS, W_ORDERS, W4A16Config,
                             choose_config, choose_n_tiles, choose_split_k)
 
@@ -801,6 +802,9 @@ def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, 
     if config is None:
         return choose_config(rows_per_expert, n, k, gated=gated, block_m=block_m,
                              w_order=w_order, interpret=device.type == "cpu")
+    if config.backend == "gluon" and (not indexed or device.type != "cuda"):
+        raise ValueError("the gluon backend (8-row decode tile) runs the indexed path on an "
+                         "sm_90 GPU only")
     if config.split_k > 1 and not indexed:
         raise ValueError("split_k > 1 is implemented for the indexed path only")
     want = K_ORDER_OF[w_order]
@@ -839,6 +843,22 @@ def _launch_args(cfg: W4A16Config, gated: bool, n: int) -> dict:
     if cfg.max_registers and not _INTERPRETED:
         args["maxnreg"] = cfg.max_registers
     return args
+
+
+def row_tiles(rows_per_expert: float, n: int, k: int, num_experts: int, device: torch.device,
+              w_order: str, *, gated: bool = False, gluon: bool = True) -> tuple[int, ...]:
+    """``triton_config.choose_row_tiles`` for ``device``: the Gluon 8-row decode tile is a
+    candidate on an sm_90 GPU with subnormal weights (``gluon_w4a16.gluon_ready``) unless
+    ``gluon`` is False (a caller whose other GEMM on the same blocks could not take it)."""
+    device = torch.device(device)
+    experts = 0
+    if gluon and device.type == "cuda" and w_order == "subnormal" and not _INTERPRETED:
+        from .gluon_w4a16 import gluon_ready
+
+        experts = num_experts if gluon_ready(device) else 0
+    return triton_config.choose_row_tiles(rows_per_expert, n, k, interpret=device.type == "cpu",
+                                          gluon_experts=experts, num_sms=_num_sms(device),
+                                          gated=gated)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -891,6 +911,8 @@ def indexed_config(
     cfg = _resolve_config(config, num_routes / num_experts, n, k, gated, device, w_order,
                           block_m, indexed=True)
     split = cfg.split_k
+    if cfg.backend == "gluon":
+        return cfg
     if config is None:
         # experts hit by num_routes uniform draws, times blocks per expert
         touched = num_experts * -math.expm1(-num_routes / num_experts) if num_experts else 0
@@ -966,6 +988,13 @@ def moe_gemm_indexed_triton(
     if grid_m * n_tiles == 0:
         return out
     split = cfg.split_k
+    if cfg.backend == "gluon":
+        from .gluon_w4a16 import moe_gemm_indexed_gluon
+
+        return moe_gemm_indexed_gluon(
+            x, w_packed, w_scale, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+            out, num_routes=num_routes, grid_m=grid_m, block_n=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, gated=gated)
     args = (num_routes, n, k, grid_m, x.stride(0), w_packed.stride(0), w_packed.stride(1),
             w_scale.stride(0), w_scale.stride(1))
     if cfg.n_tiles > 1:

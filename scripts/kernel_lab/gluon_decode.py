@@ -41,26 +41,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from chordq.kernels.triton_w4a16 import _DEQUANT_SUBNORMAL_ASM
 from chordq.layout import pack_codes, unpack_codes
 
 BK = gl.constexpr(256)  # K per step
 
-_ASM = gl.constexpr("""{
-.reg .b32 t0, t2, t3, b, c;
-shl.b32 t0, $4, 4;
-shr.u32 t2, $4, 4;
-shr.u32 t3, $4, 8;
-and.b32 $0, t0, 0x00f000f0;
-and.b32 $1, $4, 0x00f000f0;
-and.b32 $2, t2, 0x00f000f0;
-and.b32 $3, t3, 0x00f000f0;
-mov.b32 c, 0x80808080;
-mul.rn.bf16x2 b, $6, c;
-fma.rn.bf16x2 $0, $0, $6, b;
-fma.rn.bf16x2 $1, $1, $6, b;
-fma.rn.bf16x2 $2, $2, $6, b;
-fma.rn.bf16x2 $3, $3, $6, b;
-}""")
+_ASM = gl.constexpr(_DEQUANT_SUBNORMAL_ASM.value)
 
 
 def lab_source() -> torch.Tensor:
@@ -235,16 +221,21 @@ def decode_gemm(x, w_lab, s_sub, sorted_ids, expert_ids, num_blocks, top_k, out,
     return out
 
 
-def compile_sm90(bn=64, bt=8, warps=4, prefetch=False, frag=False):
-    """Compile for sm_90 with no GPU (the CPU check): returns the compiled kernel."""
+def compile_sm90(bn=64, bt=8, warps=4, prefetch=False, frag=False, stages=0):
+    """Compile for sm_90 with no GPU (the CPU check): returns the compiled kernel
+    (``stages`` > 0: the shared-memory kernel)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = w4a16_decode8_kernel
-    consts = {"TOP_K": 8, "BN": bn, "BT": bt, "PREFETCH": prefetch, "FRAG": frag,
-              "num_warps": warps}
+    if stages:
+        from chordq.kernels.gluon_w4a16 import _w4a16_decode_kernel as fn
+        consts = {"TOP_K": 8, "BN": bn, "GATED": False, "STAGES": stages, "num_warps": warps}
+    else:
+        fn = w4a16_decode8_kernel
+        consts = {"TOP_K": 8, "BN": bn, "BT": bt, "PREFETCH": prefetch, "FRAG": frag,
+                  "num_warps": warps}
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
-            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"}
+            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
     sig = {a: ("constexpr" if a in consts else ptrs.get(a, "i32")) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a not in consts}
     src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
@@ -281,13 +272,16 @@ if __name__ == "__main__" and "--sass" in sys.argv:
 
 
 # (layout, projection, tokens per GPU)
-ROWS = ([("EP8", "gate_up", t) for t in (1, 8, 20, 32)]
-        + [("EP8", "down", t) for t in (1, 8, 20, 32)]
-        + [("TP8", "gate_up", t) for t in (1, 8, 20, 32, 128, 256)]
-        + [("TP8", "down", t) for t in (8, 20, 32)])
+ROWS = ([("EP8", "gate_up", t) for t in (1, 8, 20, 32, 128)]
+        + [("EP8", "down", t) for t in (1, 8, 20, 32, 128)]
+        + [("TP8", "gate_up", t) for t in (1, 8, 20, 32, 128, 256, 512)]
+        + [("TP8", "down", t) for t in (1, 8, 20, 32, 128, 256)])
 TILES = [tuple(int(v) for v in t.split(",")) for t in os.environ.get(
-    "GLUON_TILES", "128,8,2,0,0 128,8,4,1,0"
+    "GLUON_TILES", "128,8,2,0,0"
 ).split()]  # BN,BT,warps,prefetch,fragment-order words
+SMEM_TILES = [tuple(int(v) for v in t.split(",")) for t in os.environ.get(
+    "GLUON_SMEM", "128,8,4,2 128,8,4,3 64,8,4,2 128,8,8,2"
+).split()]  # BN,BT,warps,stages: the shipped kernel (chordq.kernels.gluon_w4a16), BT = 8
 
 
 def gpu_main() -> None:
@@ -295,6 +289,7 @@ def gpu_main() -> None:
     from chordq.kernels import bench_humming as H
     from chordq.kernels.align import align_row_tiles, moe_align_block_size
     from chordq.kernels.bench_humming import LAYOUTS, convert_weights, floor_model, time_graphs
+    from chordq.kernels.gluon_w4a16 import moe_gemm_indexed_gluon
     from chordq.kernels.reference import cos_diff, moe_gemm_indexed_reference
     from chordq.kernels.triton_config import choose_row_tiles
     from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
@@ -364,6 +359,20 @@ def gpu_main() -> None:
                          fr=fr: decode_gemm(x, wf if fr else wl, sl, a[0], a[1], nb, p.top_k, out,
                                             bn=bn, bt=bt, warps=warps, prefetch=bool(pf),
                                             frag=bool(fr)))
+            outs[name] = (out, bt)
+        for bn, bt, warps, stages in SMEM_TILES:
+            if p.n % bn:
+                continue
+            aligned = moe_align_block_size(topk, bt, p.num_experts)
+            if bt not in wants:
+                wants[bt] = moe_gemm_indexed_reference(x, w, sc, *aligned, p.top_k, bt)
+            nb = int(aligned[2][0]) // bt
+            out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
+            name = f"smem {bn}x{bt}x{warps} s{stages}"
+            fns[name] = (lambda out=out, a=aligned, nb=nb, bn=bn, warps=warps,
+                         stages=stages: moe_gemm_indexed_gluon(
+                             x, wf, sf, *a, p.top_k, out, num_routes=rows, grid_m=nb,
+                             block_n=bn, num_warps=warps, num_stages=stages, gated=False))
             outs[name] = (out, bt)
         for name, fn in fns.items():
             fn()

@@ -1,0 +1,209 @@
+"""The 8-row W4A16 decode tile in Gluon (Triton's explicit-layout dialect), on ``mma.sync``.
+
+``out[r, n] = sum_k x[row(r), k] * W_e[n, k]`` for the indexed routing of ``triton_w4a16``
+(``moe_align_block_size(.., 8)`` blocks), on the shipped weights: words in fragment order
+(``chordq.layout.fragment_order``) and ``chordq.layout.subnormal_scales``, dequantized by the
+same 12-instruction subnormal PTX as the Triton kernels (``_DEQUANT_SUBNORMAL_ASM``), with
+``activation="silu_mul"`` fused as there (gate and up rounded to BF16 first).
+
+Why a second kernel (docs/kernel_notes.md, variant 26): at decode the Triton kernels are
+instruction-issue bound on their 16-row wgmma tiles (``tl.dot``'s minimum; wgmma descriptors
+and ``WARPGROUP.ARRIVE``/``DEPBAR`` per k16 slice). Here each warp owns 32 weight rows (two
+m16 slices) and 8 token rows, and issues ``HMMA.16816``: one instruction per slice, the
+dequantized words are its A fragments as they come out of the PTX (fragment order: word
+``4 g + t`` of a row is lane ``t``'s fragment for slices ``2 g`` and ``2 g + 1``), and X, in
+natural K, is its B fragment. Words, X rows and scales go global -> shared memory by 16-byte
+``cp.async`` in a 2-stage ring (one K step of 256 in flight while the other is computed), and
+shared -> registers by ``ldmatrix`` (swizzled, conflict-free).
+
+Measured on the H200 against the shipped Triton decode tiles and Humming 0.1.19, same process
+(``scripts/kernel_lab/gluon_decode.py``): 0.76-0.98 of the Triton kernels' time where it is
+used (``triton_config.gluon_decode_applies``); Humming's ratio in docs/performance.md §12.
+
+GPU only: Gluon has no interpreter. ``gluon_ready`` says whether this Triton and device run it;
+the CPU interpreter and other GPUs keep the Triton tiles. Gluon is experimental and its names
+move (Triton 3.6 on the H200, 3.9 in CI): the two that moved are looked up once below.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from .triton_w4a16 import _DEQUANT_SUBNORMAL_ASM
+
+__all__ = ["GLUON_BLOCK_K", "gluon_ready", "moe_gemm_indexed_gluon"]
+
+GLUON_BLOCK_K = 256  # K per step: 8 scale groups, 32 words per weight row
+BK = gl.constexpr(GLUON_BLOCK_K)
+BT = gl.constexpr(8)  # token rows per tile: mma.sync m16n8k16's N
+_ASM = gl.constexpr(_DEQUANT_SUBNORMAL_ASM.value)
+_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+@functools.cache
+def gluon_ready(device: torch.device | str) -> bool:
+    """True on an sm_90 CUDA device (Hopper): the tile is tuned for the H200."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+@gluon.constexpr_function
+def _layouts(BN, num_warps):
+    """Register layouts (linear: bases of register, lane and warp bits) of one K step's words
+    ``[BN, 32]``, scales ``[BN, 8, 4]`` (each group's scale once per word of the group) and X
+    rows ``[8, 256]``: exactly the A and B fragments of ``mma.sync`` with ``[num_warps, 1]``
+    warps, so converting to the operand layouts moves nothing."""
+    rows = [[16 * num_warps << i, 0] for i in range((BN // (16 * num_warps)).bit_length() - 1)]
+    warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 4], [0, 8], [0, 16], [8, 0]] + rows,
+        lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=warps, block_bases=[], shape=[BN, 32])
+    scales = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [8, 0, 0]] + [r + [0] for r in rows],
+        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[w + [0] for w in warps], block_bases=[], shape=[BN, 8, 4])
+    x = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128]],
+        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[0, 0]] * (num_warps.bit_length() - 1), block_bases=[], shape=[8, 256])
+    return words, scales, x
+
+
+@gluon.jit
+def _dequant_mma(w, s, x, acc, a_layout: gl.constexpr, b_layout: gl.constexpr,
+                 s3_layout: gl.constexpr, BN: gl.constexpr):
+    """``acc += W x^T`` for one K step: words ``[BN, 32]``, scales ``[BN, 8]``, X ``[8, 256]``."""
+    s3, _ = gl.broadcast(gl.expand_dims(s, 2), gl.zeros([BN, 8, 4], gl.int8, s3_layout))
+    s4 = gl.reshape(s3, [BN, 32])  # word 4 g + t: group g's scale
+    p0, p1, p2, p3 = gl.inline_asm_elementwise(
+        _ASM, "=r,=r,=r,=r,r,r,r", [gl.join(w, w), gl.join(s4, s4)],
+        dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
+    pairs = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [BN, word, h, j & 1, j >> 1]
+    # word 4 g + t, pair j, half h: k = 32 g + 16 (j >> 1) + 8 (j & 1) + 2 t + h
+    a = gl.reshape(pairs, [BN, 8, 4, 2, 2, 2])
+    a = gl.reshape(gl.permute(a, [0, 1, 5, 4, 2, 3]), [BN, BK])
+    a = gl.convert_layout(a, a_layout, assert_trivial=True)
+    b = gl.convert_layout(gl.permute(x, [1, 0]), b_layout, assert_trivial=True)
+    return mma_v2(a, b, acc)
+
+
+@gluon.jit
+def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
+                         N, K, num_routes, stride_xm, stride_om,
+                         TOP_K: gl.constexpr, BN: gl.constexpr, GATED: gl.constexpr,
+                         STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """One (8-row block, column tile): ``C^T [BN, 8]`` over all of K, then the store. With
+    GATED the tile's rows are ``BN / 2`` gate rows and the matching up rows (``N + n``), kept
+    in the same threads (the top row bit is a register bit) for the fused SiLU-and-mul."""
+    w_l: gl.constexpr = _layouts(BN, num_warps)[0]
+    s3_l: gl.constexpr = _layouts(BN, num_warps)[1]
+    x_l: gl.constexpr = _layouts(BN, num_warps)[2]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # copies: one 16-byte chunk per thread and register
+    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    xc_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    sc_l: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [num_warps, 1], [1, 0])
+    w_sl: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+    x_sl: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    OUT_N: gl.constexpr = BN // 2 if GATED else BN
+
+    pid_n = gl.program_id(0)
+    pid_b = gl.program_id(1)
+    expert = gl.load(expert_ids_ptr + pid_b).to(gl.int64)
+    if (pid_b * BT < gl.load(ntp_ptr)) & (expert >= 0):
+        n0 = pid_n * OUT_N
+        k8 = (K // BK) * 32  # words per row, visibly a multiple of 32 (16-byte rows)
+        ks = (K // BK) * 8
+        n_w = 2 * N if GATED else N
+        wr = gl.arange(0, BN, layout=gl.SliceLayout(1, wc_l))
+        sr = gl.arange(0, BN, layout=gl.SliceLayout(1, sc_l))
+        if GATED:
+            wr = gl.where(wr < OUT_N, n0 + wr, N + n0 + wr - OUT_N)
+            sr = gl.where(sr < OUT_N, n0 + sr, N + n0 + sr - OUT_N)
+        else:
+            wr = n0 + wr
+            sr = n0 + sr
+        wc = gl.arange(0, 32, layout=gl.SliceLayout(0, wc_l))
+        w_ptrs = w_ptr + expert * n_w * k8 + wr[:, None] * k8 + wc[None, :]
+        sc = gl.arange(0, 8, layout=gl.SliceLayout(0, sc_l))
+        s_ptrs = s_ptr + expert * n_w * ks + sr[:, None] * ks + sc[None, :]
+        xr = gl.arange(0, BT, layout=gl.SliceLayout(1, xc_l))
+        xc = gl.arange(0, BK, layout=gl.SliceLayout(0, xc_l))
+        routes = gl.load(sorted_ids_ptr + pid_b * BT + xr)
+        routes = gl.where(routes < num_routes, routes, 0)  # sentinels read row 0, not stored
+        x_ptrs = x_ptr + (routes // TOP_K).to(gl.int64)[:, None] * stride_xm + xc[None, :]
+
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], w_sl)
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BK], x_sl)
+        s_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 8], s_sl)
+        num_steps = K // BK
+        for i in gl.static_range(STAGES - 1):
+            ok = i < num_steps
+            _cp_async(w_smem.index(i), w_ptrs + i * 32, mask=ok)
+            _cp_async(x_smem.index(i), x_ptrs + i * BK, mask=ok)
+            _cp_async(s_smem.index(i), s_ptrs + i * 8, mask=ok)
+            async_copy.commit_group()
+        acc = gl.zeros([BN, BT], gl.float32, mma)
+        for step in range(num_steps):
+            nxt = step + STAGES - 1
+            slot = nxt % STAGES
+            ok = nxt < num_steps
+            _barrier()  # every warp is done with this slot (step - 1's data)
+            _cp_async(w_smem.index(slot), w_ptrs + nxt * 32, mask=ok)
+            _cp_async(x_smem.index(slot), x_ptrs + nxt * BK, mask=ok)
+            _cp_async(s_smem.index(slot), s_ptrs + nxt * 8, mask=ok)
+            async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)
+            _barrier()  # step's copies, made by all threads, are visible
+            cur = step % STAGES
+            acc = _dequant_mma(w_smem.index(cur).load(w_l), s_smem.index(cur).load(
+                gl.SliceLayout(2, s3_l)), x_smem.index(cur).load(x_l), acc, a_l, b_l, s3_l, BN)
+
+        if GATED:  # rows [0, BN/2) gate, [BN/2, BN) up: the same threads, one register apart
+            gate, up = gl.split(gl.permute(gl.reshape(acc, [2, OUT_N, BT]), [1, 2, 0]))
+            gate = gate.to(gl.bfloat16).to(gl.float32)
+            up = up.to(gl.bfloat16).to(gl.float32)
+            res = gate / (1.0 + gl.exp(-gate)) * up
+        else:
+            res = acc
+        o_l: gl.constexpr = res.type.layout
+        orow = gl.arange(0, OUT_N, layout=gl.SliceLayout(1, o_l))
+        ocol = gl.arange(0, BT, layout=gl.SliceLayout(0, o_l))
+        oroutes = gl.load(sorted_ids_ptr + pid_b * BT + ocol)
+        o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n0 + orow)[:, None]
+        gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :])
+
+
+def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
+                           sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
+                           num_tokens_post_padded: torch.Tensor, top_k: int, out: torch.Tensor,
+                           *, num_routes: int, grid_m: int, block_n: int, num_warps: int,
+                           num_stages: int, gated: bool) -> torch.Tensor:
+    """Launch the 8-row tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
+    (subnormal weights, 8-row alignment) and calls this for ``backend="gluon"`` configs."""
+    n_w, k = w_packed.shape[1], x.shape[1]
+    n = n_w // 2 if gated else n_w
+    out_n = block_n // 2 if gated else block_n
+    if k % GLUON_BLOCK_K or n % out_n:
+        raise ValueError(f"the Gluon decode tile needs K % {GLUON_BLOCK_K} == 0 and N % "
+                         f"{out_n} == 0, got K={k}, N={n}")
+    if x.stride(1) != 1 or x.stride(0) % 8:
+        raise ValueError("the Gluon decode tile needs X rows contiguous and 16-byte aligned")
+    _w4a16_decode_kernel[(n // out_n, grid_m)](
+        x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        n, k, num_routes, x.stride(0), out.stride(0), TOP_K=top_k, BN=block_n, GATED=gated,
+        STAGES=num_stages, num_warps=num_warps)
+    return out

@@ -1,0 +1,219 @@
+"""The Gluon 8-row decode tile (chordq.kernels.gluon_w4a16): its config and heuristic, its sm_90
+build (compiled on the CPU, no GPU: mma.sync, ldmatrix, cp.async, no wgmma, no spills), and on
+an sm_90 GPU its results against the PyTorch reference (``gpu``-marked)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+from chordq.kernels import moe_align_block_size, moe_gemm_indexed_reference
+from chordq.kernels.reference import cos_diff
+from chordq.kernels.triton_config import (GLUON_DECODE_TILE, W4A16Config, choose_config,
+                                          choose_row_tiles, gluon_decode_applies)
+from chordq.layout import fragment_order, pack_codes, subnormal_scales
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+MAX_COS_DIFF = 1e-5  # FP32 accumulation of the reference's exact BF16 weights; ~1e-8 seen
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_gluon_tile_config_and_label():
+    assert GLUON_DECODE_TILE.label == "8,128,256,4,2,Z,G"
+    with pytest.raises(ValueError, match="8-row decode tile"):
+        W4A16Config(8, 128, 128, 4, 2, k_order="subnormal", backend="gluon")
+    with pytest.raises(ValueError, match="8-row decode tile"):
+        W4A16Config(8, 128, 256, 4, 2, k_order="fragments", backend="gluon")
+    with pytest.raises(ValueError, match="block_m"):
+        W4A16Config(8, 128, 256, 4, 2, k_order="subnormal")  # triton tiles start at 16
+    with pytest.raises(ValueError, match="backend"):
+        W4A16Config(backend="cuda")
+    assert choose_config(0.2, 4096, 7168, block_m=8, w_order="subnormal") == GLUON_DECODE_TILE
+    with pytest.raises(ValueError, match="sm_90"):
+        choose_config(0.2, 4096, 7168, block_m=8, w_order="fragments")
+    with pytest.raises(ValueError, match="sm_90"):
+        choose_config(0.2, 4096, 7168, block_m=8, w_order="subnormal", interpret=True)
+
+
+@pytest.mark.parametrize("row, rows_per_expert, n, k, experts, gated, want", [
+    ("EP8 gate_up T=1", 8 / 48, 4096, 7168, 48, False, (8,)),
+    ("EP8 gate_up T=32", 256 / 48, 4096, 7168, 48, False, (8,)),
+    ("EP8 down T=20", 160 / 48, 7168, 2048, 48, False, (8,)),
+    ("EP8 gate_up T=128: 21 rows, 3 blocks", 1024 / 48, 4096, 7168, 48, False, (32,)),
+    ("TP8 gate_up T=1: 32 tiles", 8 / 384, 512, 7168, 384, False, (16,)),
+    ("TP8 gate_up T=8", 64 / 384, 512, 7168, 384, False, (8,)),
+    ("TP8 gate_up T=512: 10.7 rows", 4096 / 384, 512, 7168, 384, False, (16,)),
+    ("TP8 down T=1", 8 / 384, 7168, 256, 384, False, (8,)),
+    ("fused EP8 T=1: 64-column tiles", 8 / 48, 2048, 7168, 48, True, (8,)),
+    ("fused TP8 T=1", 8 / 384, 256, 7168, 384, True, (16,)),
+    ("K not a multiple of 256", 0.5, 4096, 7168 + 32, 48, False, (16,)),
+])
+def test_choose_row_tiles_takes_the_gluon_tile_where_it_won(row, rows_per_expert, n, k, experts,
+                                                            gated, want):
+    assert choose_row_tiles(rows_per_expert, n, k, gluon_experts=experts, gated=gated) == want
+    # without an sm_90 GPU (gluon_experts=0) or under the interpreter: the Triton tiles
+    assert choose_row_tiles(rows_per_expert, n, k, gated=gated) != (8,)
+    assert choose_row_tiles(rows_per_expert, n, k, interpret=True, gluon_experts=experts) != (8,)
+
+
+def test_gluon_decode_applies_needs_a_full_grid():
+    assert gluon_decode_applies(1 / 6, 4096, 7168, 48, 132)  # 8 experts x 32 tiles = 256
+    assert not gluon_decode_applies(1 / 6, 4096, 7168, 48, 264)  # same grid, twice the SMs
+    assert not gluon_decode_applies(0.0, 4096, 7168, 48, 132)
+
+
+# ----------------------------------------------------------------------------- sm_90 build
+
+
+def _compile_sm90(gated: bool):
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from chordq.kernels import gluon_w4a16
+
+    fn = gluon_w4a16._w4a16_decode_kernel
+    consts = {"TOP_K": 8, "BN": 128, "GATED": gated, "STAGES": 2, "num_warps": 4}
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
+            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
+    sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if a not in consts}
+    src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
+                         constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def _sass(kernel) -> str:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+    if not os.path.exists(tool):
+        pytest.skip("this Triton wheel ships no nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "silu_mul"])
+def test_sm90_build_is_an_mma_sync_loop_without_spills(gated):
+    """What makes the tile fast, checked in its SASS: per 256-deep K step and warp 32
+    ``HMMA.16816`` (2 m16 slices x 16 k16 slices), ldmatrix reads from shared memory, cp.async
+    copies; no wgmma, and no local-memory spills."""
+    sass = _sass(_compile_sm90(gated))
+    assert sass.count("HMMA.16816.F32.BF16") == 32
+    assert "LDSM" in sass and "LDGSTS" in sass
+    assert "WARPGROUP" not in sass and "HGMMA" not in sass
+    assert "STL" not in sass and "LDL" not in sass
+
+
+def test_gluon_backend_is_refused_off_the_gpu():
+    from chordq.kernels import moe_gemm_indexed_triton
+
+    e, n, k = 2, 128, 256
+    w = pack_codes(torch.randint(0, 16, (e, n, k)))
+    s = torch.full((e, n, k // 32), 0.01, dtype=torch.bfloat16)
+    x = torch.randn(3, k).to(torch.bfloat16)
+    ids, experts, ntp = moe_align_block_size(torch.tensor([[0], [1], [0]]), 8, e)
+    with pytest.raises(ValueError, match="sm_90 GPU"):
+        moe_gemm_indexed_triton(x, fragment_order(w), subnormal_scales(s), ids, experts, ntp, 1,
+                                8, config=GLUON_DECODE_TILE, w_order="subnormal")
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+def needs_sm90(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")(fn))
+
+
+def _problem(e, n, k, m, top_k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = pack_codes(torch.randint(0, 16, (e, n, k), generator=g))
+    s = (0.02 * torch.exp2(torch.randn(e, n, k // 32, generator=g))).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    topk = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(m)]).int()
+    return w.cuda(), s.cuda(), x.cuda(), topk.cuda()
+
+
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@pytest.mark.parametrize("e, n, k, m, top_k, local", [
+    (6, 256, 512, 5, 4, None),  # two K steps, two column tiles, 1-3 rows per expert
+    (8, 384, 256, 20, 8, None),  # one K step (TP8 down's K), blocks of 8 full and partial
+    (6, 256, 768, 7, 4, 4),  # expert_map: two remote experts (expert id -1), their rows untouched
+], ids=["2-steps", "1-step", "remote"])
+@needs_sm90
+def test_gluon_tile_matches_the_reference(e, n, k, m, top_k, local, activation):
+    from chordq.kernels import moe_gemm_indexed_triton
+
+    w, s, x, topk = _problem(e, n, k, m, top_k)
+    expert_map = None
+    if local is not None:
+        expert_map = torch.full((e,), -1, dtype=torch.int32)
+        expert_map[:local] = torch.arange(local, dtype=torch.int32)
+        expert_map = expert_map.cuda()
+    aligned = moe_align_block_size(topk, 8, e, expert_map)
+    rows = m * top_k
+    n_out = n // 2 if activation else n
+    if local is not None:  # the local experts' weights only
+        w, s = w[:local], s[:local]
+    want = moe_gemm_indexed_reference(x, w, s, *aligned, top_k, 8, activation=activation)
+    out = torch.full((rows, n_out), 7.0, dtype=torch.bfloat16, device="cuda")
+    got = moe_gemm_indexed_triton(x, fragment_order(w), subnormal_scales(s), *aligned, top_k, 8,
+                                  activation=activation, out=out, w_order="subnormal")
+    owned = (aligned[0][: int(aligned[2])] < rows) & (
+        aligned[1][: int(aligned[2]) // 8].repeat_interleave(8) >= 0)
+    owned_rows = aligned[0][: int(aligned[2])][owned].long()
+    mask = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    mask[owned_rows] = True
+    assert cos_diff(got[mask], want[mask]) < MAX_COS_DIFF
+    assert bool((got[~mask] == 7.0).all())  # rows the tile does not own are left as they were
+
+
+@needs_sm90
+def test_fused_moe_decode_takes_the_gluon_tile():
+    from chordq.kernels import fused_moe, fused_moe_reference, prepare_weights, route
+    from chordq.kernels.triton_w4a16 import row_tiles
+
+    e, h, i, m = 48, 1024, 1024, 4  # 23 experts x 16 gated tiles: a full enough grid
+    g = torch.Generator().manual_seed(3)
+    w13 = pack_codes(torch.randint(0, 16, (e, 2 * i, h), generator=g)).cuda()
+    s13 = (0.02 * torch.exp2(torch.randn(e, 2 * i, h // 32, generator=g))).bfloat16().cuda()
+    w2 = pack_codes(torch.randint(0, 16, (e, h, i), generator=g)).cuda()
+    s2 = (0.02 * torch.exp2(torch.randn(e, h, i // 32, generator=g))).bfloat16().cuda()
+    x = torch.randn(m, h, generator=g).bfloat16().cuda()
+    logits = torch.randn(m, e, generator=g).cuda()
+    topk_w, topk_ids = route(logits, torch.zeros(e, device="cuda"), 8, 2.5)
+    assert row_tiles(m * 8 / e, i, h, e, x.device, "subnormal", gated=True) == (8,)
+    want = fused_moe_reference(x, w13, s13, w2, s2, topk_w, topk_ids)
+    *weights, w_order = prepare_weights(w13, s13, w2, s2)
+    got = fused_moe(x, *weights, topk_w, topk_ids, w_order=w_order)
+    assert cos_diff(got, want) < MAX_COS_DIFF
+
+
+@needs_sm90
+def test_gluon_tile_is_cuda_graph_capturable():
+    from chordq.kernels import moe_gemm_indexed_triton
+
+    w, s, x, topk = _problem(16, 256, 512, 6, 8)
+    aligned = moe_align_block_size(topk, 8, 16)
+    wf, sf = fragment_order(w), subnormal_scales(s)
+
+    def run():
+        return moe_gemm_indexed_triton(x, wf, sf, *aligned, 8, 8, w_order="subnormal")
+
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
