@@ -68,7 +68,7 @@ class Report:
 
 def load_chordq_layout():
     """chordq.layout, or the file itself when chordq's other dependencies are not installed."""
-    sys.path.insert(0, str(REPO))
+    sys.path.append(str(REPO))  # behind site-packages: kernels/ must not shadow HF `kernels`
     try:
         from chordq import layout
 

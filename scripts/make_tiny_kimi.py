@@ -29,7 +29,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# chordq without installing it, but behind site-packages: the checkout's top-level kernels/
+# (installed as chordq.kernels) must not shadow Hugging Face's `kernels`, which transformers
+# >= 5.25 imports
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 from chordq.layout import pack_int4  # noqa: E402
 
 FLAVOURS = ("bf16", "fp8", "int4", "k25")
