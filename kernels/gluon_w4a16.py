@@ -17,7 +17,7 @@ natural K, is its B fragment. Words, X rows and scales go global -> shared memor
 shared -> registers by ``ldmatrix`` (swizzled, conflict-free).
 
 Measured on the H200 against the shipped Triton decode tiles and Humming 0.1.19, same process
-(``scripts/kernel_lab/gluon_decode.py``): 0.76-0.98 of the Triton kernels' time where it is
+(``scripts/kernel_lab/gluon_decode.py``): 0.76-0.97 of the Triton kernels' time where it is
 used (``triton_config.gluon_decode_applies``); Humming's ratio in docs/performance.md §12.
 
 GPU only: Gluon has no interpreter. ``gluon_ready`` says whether this Triton and device run it;
