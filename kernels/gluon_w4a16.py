@@ -13,8 +13,8 @@ m16 slices) and 8 token rows, and issues ``HMMA.16816``: one instruction per sli
 dequantized words are its A fragments as they come out of the PTX (fragment order: word
 ``4 g + t`` of a row is lane ``t``'s fragment for slices ``2 g`` and ``2 g + 1``), and X, in
 natural K, is its B fragment. Words, X rows and scales go global -> shared memory by 16-byte
-``cp.async`` in a 2-stage ring (one K step of 256 in flight while the other is computed), and
-shared -> registers by ``ldmatrix`` (swizzled, conflict-free).
+``cp.async`` in a 2-stage ring (one K step of 256 in flight while the other is computed);
+words and X reach the registers by ``ldmatrix`` (swizzled, conflict-free).
 
 Measured on the H200 against the shipped Triton decode tiles and Humming 0.1.19, same process
 (``scripts/kernel_lab/gluon_decode.py``): 0.76-0.97 of the Triton kernels' time where it is

@@ -853,9 +853,11 @@ def row_tiles(rows_per_expert: float, n: int, k: int, num_experts: int, device: 
     device = torch.device(device)
     experts = 0
     if gluon and device.type == "cuda" and w_order == "subnormal" and not _INTERPRETED:
-        from .gluon_w4a16 import gluon_ready
-
-        experts = num_experts if gluon_ready(device) else 0
+        try:  # Gluon is experimental: a Triton without it (or with other names) keeps Triton's
+            from .gluon_w4a16 import gluon_ready
+        except (ImportError, AttributeError):
+            gluon_ready = None
+        experts = num_experts if gluon_ready and gluon_ready(device) else 0
     return triton_config.choose_row_tiles(rows_per_expert, n, k, interpret=device.type == "cpu",
                                           gluon_experts=experts, num_sms=_num_sms(device),
                                           gated=gated)
