@@ -136,6 +136,12 @@ class W4A16Config:
 GLUON_DECODE_TILE = W4A16Config(8, 128, 256, 4, 2, k_order="subnormal", backend="gluon")
 
 
+def touched_experts(num_experts: int, num_routes: float) -> float:
+    """Experts hit by ``num_routes`` uniform draws among ``num_experts``:
+    ``E (1 - exp(-routes / E))``."""
+    return num_experts * -math.expm1(-num_routes / num_experts) if num_experts else 0.0
+
+
 def gluon_decode_applies(rows_per_expert: float, n: int, k: int, num_experts: int,
                          num_sms: int, gated: bool = False) -> bool:
     """Whether ``choose_row_tiles`` takes the Gluon 8-row tile (given an sm_90 GPU and
@@ -148,7 +154,7 @@ def gluon_decode_applies(rows_per_expert: float, n: int, k: int, num_experts: in
     """
     if not (0 < rows_per_expert <= 6 and k % 256 == 0 and n % 64 == 0 and num_experts > 0):
         return False
-    touched = num_experts * -math.expm1(-rows_per_expert)  # experts hit by the routes
+    touched = touched_experts(num_experts, rows_per_expert * num_experts)
     out_n = GLUON_DECODE_TILE.block_n // (2 if gated else 1)
     tiles = touched * max(1, math.ceil(rows_per_expert / 8)) * n / out_n
     return tiles >= 1.5 * num_sms

@@ -47,7 +47,6 @@ weight kept explicitly); on GPU the dot runs on BF16 tensor cores with FP32 accu
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import triton
@@ -917,7 +916,7 @@ def indexed_config(
         return cfg
     if config is None:
         # experts hit by num_routes uniform draws, times blocks per expert
-        touched = num_experts * -math.expm1(-num_routes / num_experts) if num_experts else 0
+        touched = triton_config.touched_experts(num_experts, num_routes)
         busy_blocks = round(touched) * max(1, round(num_routes / num_experts / cfg.block_m))
         if cfg.n_tiles > 1:
             per = choose_n_tiles(cfg, busy_blocks, n, _num_sms(device))

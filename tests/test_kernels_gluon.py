@@ -72,23 +72,10 @@ def test_gluon_decode_applies_needs_a_full_grid():
 
 
 def _compile_sm90(gated: bool):
-    triton = pytest.importorskip("triton")
     pytest.importorskip("triton.experimental.gluon")
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from chordq.kernels import gluon_w4a16
 
-    fn = gluon_w4a16._w4a16_decode_kernel
-    consts = {"TOP_K": 8, "BN": 128, "GATED": gated, "STAGES": 2, "num_warps": 4}
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
-            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
-    sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if a not in consts}
-    src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
-                         constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return gluon_w4a16.compile_sm90(gated=gated)
 
 
 def _sass(kernel) -> str:

@@ -41,6 +41,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from chordq.kernels import gluon_w4a16 as G
 from chordq.kernels.triton_w4a16 import _DEQUANT_SUBNORMAL_ASM
 from chordq.layout import pack_codes, unpack_codes
 
@@ -74,21 +75,8 @@ def _layouts(BN, BT, num_warps, FRAG=False):
     reps = BN // (16 * num_warps)
     rows = [[16 * num_warps * (1 << i), 0] for i in range(reps.bit_length() - 1)]
     warp_rows = [[16 << i, 0] for i in range((num_warps).bit_length() - 1)]
-    tokens = [[8 << i, 0] for i in range((BT // 8).bit_length() - 1)]
-    if FRAG:  # checkpoint words in fragment order (layout.fragment_order): word 4 g + t
-        words = gl.DistributedLinearLayout(
-            reg_bases=[[0, 4], [0, 8], [0, 16], [8, 0]] + rows,
-            lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-            warp_bases=warp_rows, block_bases=[], shape=[BN, 32])
-        scales3 = gl.DistributedLinearLayout(  # [BN, group, t]: each group's scale per word
-            reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [8, 0, 0]] + [r + [0] for r in rows],
-            lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[r + [0] for r in warp_rows], block_bases=[], shape=[BN, 8, 4])
-        x = gl.DistributedLinearLayout(  # natural K, the B fragment itself
-            reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128]] + tokens,
-            lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[0, 0]] * ((num_warps).bit_length() - 1), block_bases=[],
-            shape=[BT, BK.value])
+    if FRAG:  # the shipped words (fragment order), read as gluon_w4a16 reads them (BT = 8)
+        words, scales3, x = G._layouts(BN, num_warps)
         return words, gl.SliceLayout(2, scales3), x, None, scales3
     words = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + rows,
@@ -115,32 +103,31 @@ def _layouts(BN, BT, num_warps, FRAG=False):
 @gluon.jit
 def _step(w, s, x, acc, a_layout: gl.constexpr, b_layout: gl.constexpr, BN: gl.constexpr,
           BT: gl.constexpr, FRAG: gl.constexpr, s3_layout: gl.constexpr):
-    if FRAG:
-        s3 = gl.expand_dims(s, 2)
-        s3, _ = gl.broadcast(s3, gl.zeros([BN, 8, 4], gl.int8, s3_layout))
-        s4 = gl.reshape(s3, [BN, 32])
+    if FRAG:  # the shipped tile's step
+        acc = G._dequant_mma(w, s, x, acc, a_layout, b_layout, s3_layout, BN)
     else:
-        s4 = gl.join(gl.join(s, s), gl.join(s, s))  # [BN, 8, 2, 2]: each group's scale per word
-        s4 = gl.reshape(s4, [BN, 32])
+        acc = _lab_step(w, s, x, acc, a_layout, b_layout, BN, BT)
+    return acc
+
+
+@gluon.jit
+def _lab_step(w, s, x, acc, a_layout: gl.constexpr, b_layout: gl.constexpr, BN: gl.constexpr,
+              BT: gl.constexpr):
+    """One K step on lab-order words (module docstring)."""
+    s4 = gl.join(gl.join(s, s), gl.join(s, s))  # [BN, 8, 2, 2]: each group's scale per word
+    s4 = gl.reshape(s4, [BN, 32])
     p0, p1, p2, p3 = gl.inline_asm_elementwise(
         _ASM, "=r,=r,=r,=r,r,r,r", [gl.join(w, w), gl.join(s4, s4)],
         dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
     pairs = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [BN, word, h, j & 1, j >> 1]
-    if FRAG:
-        a = gl.reshape(pairs, [BN, 8, 4, 2, 2, 2])  # [BN, g, t, h, jl, jh]
-        a = gl.reshape(gl.permute(a, [0, 1, 5, 4, 2, 3]), [BN, BK])
-    else:
-        a = gl.reshape(pairs, [BN, 4, 8, 2, 2, 2])  # [BN, t, g, h, jl, jh]
-        a = gl.reshape(gl.permute(a, [0, 2, 5, 4, 1, 3]), [BN, BK])  # p = 32g + 16jh + 8jl + 2t + h
+    a = gl.reshape(pairs, [BN, 4, 8, 2, 2, 2])  # [BN, t, g, h, jl, jh]
+    a = gl.reshape(gl.permute(a, [0, 2, 5, 4, 1, 3]), [BN, BK])  # p = 32g + 16jh + 8jl + 2t + h
     a = gl.convert_layout(a, a_layout, assert_trivial=True)
     if x.dtype == gl.int32:  # [BT, BK/2] words of two BF16 (prefetch: no 16-bit loop phis)
         x = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [gl.join(x, x)],
                                       dtype=gl.bfloat16, is_pure=True, pack=2)
-    if FRAG:
-        b = gl.permute(x, [1, 0])
-    else:
-        b = gl.reshape(x, [BT, 4, 16, 2, 2])  # [n, t, s, q, h]
-        b = gl.reshape(gl.permute(b, [2, 3, 1, 4, 0]), [BK, BT])  # p = 16s + 8q + 2t + h
+    b = gl.reshape(x, [BT, 4, 16, 2, 2])  # [n, t, s, q, h]
+    b = gl.reshape(gl.permute(b, [2, 3, 1, 4, 0]), [BK, BT])  # p = 16s + 8q + 2t + h
     b = gl.convert_layout(b, b_layout, assert_trivial=True)
     return mma_v2(a, b, acc)
 
@@ -223,19 +210,17 @@ def decode_gemm(x, w_lab, s_sub, sorted_ids, expert_ids, num_blocks, top_k, out,
 
 def compile_sm90(bn=64, bt=8, warps=4, prefetch=False, frag=False, stages=0):
     """Compile for sm_90 with no GPU (the CPU check): returns the compiled kernel
-    (``stages`` > 0: the shared-memory kernel)."""
+    (``stages`` > 0: the shipped kernel, ``gluon_w4a16.compile_sm90``)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     if stages:
-        from chordq.kernels.gluon_w4a16 import _w4a16_decode_kernel as fn
-        consts = {"TOP_K": 8, "BN": bn, "GATED": False, "STAGES": stages, "num_warps": warps}
-    else:
-        fn = w4a16_decode8_kernel
-        consts = {"TOP_K": 8, "BN": bn, "BT": bt, "PREFETCH": prefetch, "FRAG": frag,
-                  "num_warps": warps}
+        return G.compile_sm90(bn, warps, stages)
+    fn = w4a16_decode8_kernel
+    consts = {"TOP_K": 8, "BN": bn, "BT": bt, "PREFETCH": prefetch, "FRAG": frag,
+              "num_warps": warps}
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
-            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
+            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"}
     sig = {a: ("constexpr" if a in consts else ptrs.get(a, "i32")) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a not in consts}
     src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
@@ -244,21 +229,10 @@ def compile_sm90(bn=64, bt=8, warps=4, prefetch=False, frag=False, stages=0):
 
 
 def sass_summary(kern) -> str:
-    import collections
-    import re
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from sass import loops, ptxas_verdict, sass_of
+    from sass import summary
 
-    bodies = loops(sass_of(kern))
-    lines = [f"{len(bodies)} loops, instructions per body: {[len(b) for b in bodies]}"]
-    if bodies:
-        big = max(bodies, key=len)
-        ops = collections.Counter(re.sub(r"^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?", "", ln)
-                                  .split()[0].split(".")[0] for ln in big)
-        lines.append(" ".join(f"{op}:{c}" for op, c in ops.most_common(24)))
-    lines += ["ptxas: " + v for v in ptxas_verdict(kern)]
-    return "\n".join(lines)
+    return "\n".join(summary(kern))
 
 
 if __name__ == "__main__" and "--sass" in sys.argv:
@@ -309,11 +283,7 @@ def gpu_main() -> None:
             continue
         p = next(q for q in LAYOUTS[layout] if q.proj == proj)
         if (layout, proj) not in weights:
-            w = torch.randint(-2**31, 2**31, (p.num_experts, p.n, p.k // 8), generator=gen,
-                              dtype=torch.int64, device="cuda").to(torch.int32)
-            sc = (0.01 * torch.exp2(0.5 * torch.randn(p.num_experts, p.n, p.k // 32,
-                                                      generator=gen, device="cuda")))
-            sc = sc.to(torch.bfloat16)
+            w, sc = H.make_weights(p, 0, "cuda")
             weights[(layout, proj)] = (w, sc, *convert_weights(w, sc, "subnormal"),
                                        lab_order(w), subnormal_scales(sc))
             if wheel:
@@ -325,6 +295,8 @@ def gpu_main() -> None:
         x = torch.randn(p.input_rows(tokens), p.k, generator=gen, device="cuda").to(torch.bfloat16)
         touched = int(torch.unique(topk).numel())
         floor_us = floor_model(p, tokens, touched)["floor_us"]
+        # "shipped": the Triton tiles (choose_row_tiles without gluon_experts), the baseline
+        # the Gluon tile was measured against before it shipped
         pieces = align_row_tiles(topk, choose_row_tiles(rows / p.num_experts, p.n, p.k),
                                  p.num_experts)
         fns, outs = {}, {}
@@ -346,34 +318,29 @@ def gpu_main() -> None:
                 x, outputs=out, sorted_ids=a[0], expert_ids=a[1], num_tokens_padded=a[2],
                 top_k=p.top_k, compute_config=H.HUMMING_COMPUTE_CONFIG, tuning_config=cfg_json))
             outs["humming"] = (out, bm)
+
+        def add(name, bt, launch):
+            """One contestant on ``bt``-row blocks: ``launch(out, aligned, blocks)``."""
+            aligned = moe_align_block_size(topk, bt, p.num_experts)
+            if bt not in wants:
+                wants[bt] = moe_gemm_indexed_reference(x, w, sc, *aligned, p.top_k, bt)
+            out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
+            blocks = int(aligned[2][0]) // bt
+            fns[name] = lambda: launch(out, aligned, blocks)
+            outs[name] = (out, bt)
+
         for bn, bt, warps, pf, fr in TILES:
-            if p.n % bn:
-                continue
-            aligned = moe_align_block_size(topk, bt, p.num_experts)
-            if bt not in wants:
-                wants[bt] = moe_gemm_indexed_reference(x, w, sc, *aligned, p.top_k, bt)
-            nb = int(aligned[2][0]) // bt
-            out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
-            name = f"gluon {bn}x{bt}x{warps}" + (" pf" if pf else "") + (" frag" if fr else "")
-            fns[name] = (lambda out=out, a=aligned, nb=nb, bn=bn, bt=bt, warps=warps, pf=pf,
-                         fr=fr: decode_gemm(x, wf if fr else wl, sl, a[0], a[1], nb, p.top_k, out,
-                                            bn=bn, bt=bt, warps=warps, prefetch=bool(pf),
-                                            frag=bool(fr)))
-            outs[name] = (out, bt)
+            if p.n % bn == 0:
+                add(f"gluon {bn}x{bt}x{warps}" + (" pf" if pf else "") + (" frag" if fr else ""),
+                    bt, lambda out, a, nb, bn=bn, bt=bt, warps=warps, pf=pf, fr=fr: decode_gemm(
+                        x, wf if fr else wl, sl, a[0], a[1], nb, p.top_k, out, bn=bn, bt=bt,
+                        warps=warps, prefetch=bool(pf), frag=bool(fr)))
         for bn, bt, warps, stages in SMEM_TILES:
-            if p.n % bn:
-                continue
-            aligned = moe_align_block_size(topk, bt, p.num_experts)
-            if bt not in wants:
-                wants[bt] = moe_gemm_indexed_reference(x, w, sc, *aligned, p.top_k, bt)
-            nb = int(aligned[2][0]) // bt
-            out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
-            name = f"smem {bn}x{bt}x{warps} s{stages}"
-            fns[name] = (lambda out=out, a=aligned, nb=nb, bn=bn, warps=warps,
-                         stages=stages: moe_gemm_indexed_gluon(
-                             x, wf, sf, *a, p.top_k, out, num_routes=rows, grid_m=nb,
-                             block_n=bn, num_warps=warps, num_stages=stages, gated=False))
-            outs[name] = (out, bt)
+            if p.n % bn == 0:
+                add(f"smem {bn}x{bt}x{warps} s{stages}", bt,
+                    lambda out, a, nb, bn=bn, warps=warps, stages=stages: moe_gemm_indexed_gluon(
+                        x, wf, sf, *a, p.top_k, out, num_routes=rows, grid_m=nb, block_n=bn,
+                        num_warps=warps, num_stages=stages, gated=False))
         for name, fn in fns.items():
             fn()
         torch.cuda.synchronize()

@@ -17,7 +17,8 @@ import torch
 
 from chordq.kernels import bench as B
 from chordq.kernels.align import moe_align_block_size, moe_align_mixed
-from chordq.kernels.bench_humming import LAYOUTS, convert_weights, floor_model, time_graphs
+from chordq.kernels.bench_humming import (LAYOUTS, convert_weights, floor_model, make_weights,
+                                          time_graphs)
 from chordq.kernels.reference import cos_diff, moe_gemm_indexed_reference
 from chordq.kernels.triton_config import choose_config
 from chordq.kernels.triton_w4a16 import indexed_config, moe_gemm_mixed_triton
@@ -43,11 +44,7 @@ def main() -> None:
             continue
         p = next(q for q in LAYOUTS[layout] if q.proj == proj)
         if (layout, proj) not in weights:
-            w = torch.randint(-2**31, 2**31, (p.num_experts, p.n, p.k // 8), generator=gen,
-                              dtype=torch.int64, device="cuda").to(torch.int32)
-            s = (0.01 * torch.exp2(0.5 * torch.randn(p.num_experts, p.n, p.k // 32,
-                                                     generator=gen, device="cuda")))
-            s = s.to(torch.bfloat16)
+            w, s = make_weights(p, 0, "cuda")
             weights[(layout, proj)] = (w, s, *convert_weights(w, s, "subnormal"))
         w, s, wf, sf = weights[(layout, proj)]
         if (layout, tokens) not in routings:

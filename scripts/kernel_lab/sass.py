@@ -100,6 +100,21 @@ def loops(sass: str) -> list[list[str]]:
     return bodies
 
 
+def summary(kernel, sass: str | None = None) -> list[str]:
+    """Loop lengths, the longest loop's opcode histogram and wgmma waits, and ptxas's verdict."""
+    bodies = loops(sass_of(kernel) if sass is None else sass)
+    lines = [f"{len(bodies)} loops, instructions per body: {[len(b) for b in bodies]}"]
+    if bodies:
+        big = max(bodies, key=len)
+        ops = collections.Counter(re.sub(r"^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?", "", ln)
+                                  .split()[0].split(".")[0] for ln in big)
+        lines.append(" ".join(f"{op}:{c}" for op, c in ops.most_common(24)))
+        body = "\n".join(big)
+        lines.append(f"wgmma waits in the loop: {body.count('gsb0, 0x0')} for all, "
+                     f"{body.count('gsb0, 0x1')} keeping one group in flight")
+    return lines + ["ptxas: " + line for line in ptxas_verdict(kernel)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("cfg", nargs="+")
@@ -115,18 +130,7 @@ def main() -> None:
     sass = sass_of(kernel)
     if a.dump:
         open(a.dump, "w").write(sass)
-    bodies = loops(sass)
-    print(f"{len(bodies)} loops, instructions per body: {[len(b) for b in bodies]}")
-    if bodies:
-        big = max(bodies, key=len)
-        ops = collections.Counter(re.sub(r"^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P\w+\s+)?", "", ln)
-                                  .split()[0].split(".")[0] for ln in big)
-        print(" ".join(f"{op}:{c}" for op, c in ops.most_common(24)))
-        body = "\n".join(big)
-        print(f"wgmma waits in the loop: {body.count('gsb0, 0x0')} for all, "
-              f"{body.count('gsb0, 0x1')} keeping one group in flight")
-    for line in ptxas_verdict(kernel):
-        print("ptxas:", line)
+    print("\n".join(summary(kernel, sass)))
 
 
 if __name__ == "__main__":
