@@ -1,0 +1,496 @@
+"""Variant 27 (lab): a warp-specialized W4A16 prefill tile in Gluon, on wgmma.
+
+Why (docs/kernel_notes.md, items 1 and 2): the prefill rows left over 1.15 are padding
+(``tl.dot``'s power-of-two row tiles) and per-row throughput at 32-64 rows per block, where
+Humming runs a warp-specialized pipeline and Triton 3.6's ``warp_specialize`` fails on the
+Triton loop. Gluon states both directly:
+
+- a *loader* partition (``LW`` warps, few registers) copies each K step's words, scales and
+  gathered X rows into a ``STAGES``-deep shared ring with 16-byte ``cp.async``, and signals a
+  per-slot ``ready`` mbarrier (``cp.async.mbarrier.arrive.noinc``, one arrival per loader
+  thread);
+- the *consumer* partition (``num_warps`` warps, one or two warpgroups) waits on ``ready``,
+  reads the words and scales (``ldmatrix``), dequantizes them with the shipped subnormal PTX
+  straight into wgmma's register A operand (the same fragment order as the Triton and
+  mma.sync tiles: a word is one lane's A fragment for two k16 slices), issues
+  ``wgmma.mma_async`` with X from shared memory, keeps one step in flight, and frees the
+  slot of the previous step on its ``empty`` mbarrier.
+- Token rows: ``BT0`` (+ ``BT1``): a 96-row block is a 64-row and a 32-row accumulator fed by
+  the same dequantized A registers (two wgmmas per k16 slice), so 85 rows per expert (EP8
+  T=512) pay 11 padding rows, not 43.
+
+GPU only (no interpreter); the CPU compiles it for sm_90 (Triton 3.6 on PYTHONPATH):
+``python scripts/kernel_lab/gluon_prefill.py --sass`` prints loop length, registers and
+spills for the tiles in ``PREFILL_TILES``. On the GPU: ``OUT=/tmp/lab [GLUON_HUMMING=.whl]
+[PREFILL_T="256 512"] [PREFILL_TILES="BN,BK,BT0,BT1,STAGES,WARPS,LW ..."] python
+scripts/kernel_lab/gluon_prefill.py`` checks every tile against the reference (cos_diff) and
+times it against the shipped Triton tiles (and Humming), interleaved CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import triton
+from chordq.kernels.triton_w4a16 import _DEQUANT_SUBNORMAL_ASM
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+_ASM = gl.constexpr(_DEQUANT_SUBNORMAL_ASM.value)
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+@gluon.constexpr_function
+def _layouts(BN, BK, num_warps):
+    """Consumer register layouts of one K step's words ``[BN, BK/8]`` and scales
+    ``[BN, BK/32, 4]`` (each group's scale once per word): wgmma's register-A fragments, as
+    in ``gluon_w4a16._layouts`` (which is the BK = 256 case)."""
+    rows = [[16 * num_warps << i, 0] for i in range((BN // (16 * num_warps)).bit_length() - 1)]
+    warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
+    cols = [[0, 4 << i] for i in range((BK // 32).bit_length() - 1)]
+    words = gl.DistributedLinearLayout(
+        reg_bases=cols + [[8, 0]] + rows,
+        lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=warps, block_bases=[], shape=[BN, BK // 8])
+    scales = gl.DistributedLinearLayout(
+        reg_bases=[[0, c[1] // 4, 0] for c in cols] + [[8, 0, 0]] + [r + [0] for r in rows],
+        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[w + [0] for w in warps], block_bases=[], shape=[BN, BK // 32, 4])
+    return words, scales
+
+
+@gluon.jit
+def _dequant(w, s, s3_layout: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    """Words ``[BN, BK/8]`` and scales ``[BN, BK/32]`` -> BF16 ``[BN, BK]`` in natural K."""
+    G: gl.constexpr = BK // 32
+    s3, _ = gl.broadcast(gl.expand_dims(s, 2), gl.zeros([BN, G, 4], gl.int8, s3_layout))
+    s4 = gl.reshape(s3, [BN, BK // 8])  # word 4 g + t: group g's scale
+    p0, p1, p2, p3 = gl.inline_asm_elementwise(
+        _ASM, "=r,=r,=r,=r,r,r,r", [gl.join(w, w), gl.join(s4, s4)],
+        dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
+    pairs = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [BN, word, h, j & 1, j >> 1]
+    # word 4 g + t, pair j, half h: k = 32 g + 16 (j >> 1) + 8 (j & 1) + 2 t + h
+    a = gl.reshape(pairs, [BN, G, 4, 2, 2, 2])
+    return gl.reshape(gl.permute(a, [0, 1, 5, 4, 2, 3]), [BN, BK])
+
+
+@gluon.constexpr_function
+def _mma_layout(BT, num_warps):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, BT, 16])
+
+
+@gluon.jit
+def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty, num_steps,
+              BN: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr,
+              STAGES: gl.constexpr, A_SMEM: gl.constexpr, num_warps: gl.constexpr):
+    """The K loop. wgmma reads its register A operand while in flight, and ptxas does not
+    keep the next step's dequantization out of those registers (seen: wrong results with
+    128 token rows and one group in flight). So either each step waits for its own wgmmas
+    (A_SMEM=False; two consumer warpgroups overlap one's dequantization with the other's
+    wgmmas), or A goes through a 2-slot shared ring (A_SMEM=True) and one step stays in
+    flight."""
+    w_l: gl.constexpr = _layouts(BN, BK, num_warps)[0]
+    s3_l: gl.constexpr = _layouts(BN, BK, num_warps)[1]
+    mma0: gl.constexpr = _mma_layout(BT0, num_warps)
+    a0_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma0, k_width=2)
+    acc0 = gl.zeros([BN, BT0], gl.float32, mma0)
+    if BT1 > 0:
+        mma1: gl.constexpr = _mma_layout(BT1, num_warps)
+        a1_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma1, k_width=2)
+        acc1 = gl.zeros([BN, BT1], gl.float32, mma1)
+    gl.assume(num_steps > 0)  # no zero-trip path: ptxas keeps the wgmmas in flight (variant 14)
+    for i in range(num_steps):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        w = w_bufs.index(slot).load(w_l)
+        s = s_bufs.index(slot).load(gl.SliceLayout(2, s3_l))
+        a = _dequant(w, s, s3_l, BN, BK)
+        if A_SMEM:
+            a_buf = a_bufs.index(i % 2)  # step i - 2's wgmmas, its last readers, are done
+            a_buf.store(a)
+            fence_async_shared()  # X (cp.async) and A (st.shared) are read by wgmma (async)
+            acc0 = warpgroup_mma(a_buf, x0_bufs.index(slot).permute((1, 0)), acc0,
+                                 is_async=True)
+            if BT1 > 0:
+                acc1 = warpgroup_mma(a_buf, x1_bufs.index(slot).permute((1, 0)), acc1,
+                                     is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(2, deps=[acc0, acc1])
+            else:
+                acc0 = warpgroup_mma_wait(1, deps=[acc0])
+            # step i - 1's wgmmas are done: its slot (words, scales, X) can be refilled
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+        else:
+            fence_async_shared()  # X arrived by cp.async (generic proxy); wgmma reads it
+            a0 = gl.convert_layout(a, a0_l, assert_trivial=True)
+            acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
+            if BT1 > 0:
+                a1 = gl.convert_layout(a, a1_l, assert_trivial=True)
+                acc1 = warpgroup_mma(a1, x1_bufs.index(slot).permute((1, 0)), acc1,
+                                     is_async=True)
+                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+            else:
+                acc0 = warpgroup_mma_wait(0, deps=[acc0])
+            mbarrier.arrive(empty.index(slot))
+    if BT1 > 0:
+        acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+        return acc0, acc1
+    else:
+        acc0 = warpgroup_mma_wait(0, deps=[acc0])
+        return acc0, acc0
+
+
+@gluon.jit
+def _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K: gl.constexpr,
+            BT: gl.constexpr, BK: gl.constexpr, LW: gl.constexpr):
+    tpc: gl.constexpr = min(32, BK // 8)
+    xc_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpc, tpc], [LW, 1], [1, 0])
+    xr = gl.arange(0, BT, layout=gl.SliceLayout(1, xc_l))
+    xc = gl.arange(0, BK, layout=gl.SliceLayout(0, xc_l))
+    routes = gl.load(sorted_ids_ptr + row0 + xr)
+    routes = gl.where(routes < num_routes, routes, 0)  # sentinels read row 0, not stored
+    return x_ptr + (routes // TOP_K).to(gl.int64)[:, None] * stride_xm + xc[None, :]
+
+
+@gluon.jit
+def _loader(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, x_ptr, w_ptr, s_ptr,
+            sorted_ids_ptr, row0, expert, n0, N, K, num_routes, stride_xm,
+            TOP_K: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
+            BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr, LW: gl.constexpr):
+    W: gl.constexpr = BK // 8  # words per row and step
+    G: gl.constexpr = BK // 32  # scales per row and step
+    OUT_N: gl.constexpr = BN // 2 if GATED else BN
+    wtc: gl.constexpr = min(32, W // 4)
+    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // wtc, wtc], [LW, 1], [1, 0])
+    sc_l: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [LW, 1], [1, 0])
+    k8 = (K // BK) * W
+    ks = (K // BK) * G
+    n_w = 2 * N if GATED else N
+    wr = gl.arange(0, BN, layout=gl.SliceLayout(1, wc_l))
+    sr = gl.arange(0, BN, layout=gl.SliceLayout(1, sc_l))
+    if GATED:  # rows [0, BN/2): gate rows n0.., [BN/2, BN): the matching up rows N + n0..
+        wr = gl.where(wr < OUT_N, n0 + wr, N + n0 + wr - OUT_N)
+        sr = gl.where(sr < OUT_N, n0 + sr, N + n0 + sr - OUT_N)
+    else:
+        wr = n0 + wr
+        sr = n0 + sr
+    base = expert.to(gl.int64) * n_w
+    w_ptrs = w_ptr + (base + wr)[:, None] * k8 + gl.arange(0, W, layout=gl.SliceLayout(0, wc_l))[None, :]
+    s_ptrs = s_ptr + (base + sr)[:, None] * ks + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))[None, :]
+    x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0, BK, LW)
+    if BT1 > 0:
+        x1_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0 + BT0, num_routes, stride_xm, TOP_K, BT1,
+                          BK, LW)
+    for i in range(num_steps):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        _cp_async(w_bufs.index(slot), w_ptrs + i * W)
+        _cp_async(s_bufs.index(slot), s_ptrs + i * G)
+        _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)
+        if BT1 > 0:
+            _cp_async(x1_bufs.index(slot), x1_ptrs + i * BK)
+        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _store(acc, out_ptr, sorted_ids_ptr, row0, n0, num_routes, stride_om, BN: gl.constexpr,
+           BT: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
+    """``out[route, n0 + n] = acc[n, r]`` (SiLU(gate) * up with GATED), 16-byte stores."""
+    OUT_N: gl.constexpr = BN // 2 if GATED else BN
+    tn: gl.constexpr = min(32, OUT_N // 8)
+    if GATED:
+        e3: gl.constexpr = gl.BlockedLayout([2, 8, 1], [1, tn, 32 // tn], [1, 1, num_warps],
+                                            [0, 1, 2])
+        g = gl.convert_layout(gl.reshape(acc, [2, OUT_N, BT]), e3)
+        gate, up = gl.split(gl.permute(g, [1, 2, 0]))
+        gate = gate.to(gl.bfloat16).to(gl.float32)
+        up = up.to(gl.bfloat16).to(gl.float32)
+        res = gate / (1.0 + gl.exp(-gate)) * up
+    else:
+        e2: gl.constexpr = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, num_warps], [0, 1])
+        res = gl.convert_layout(acc, e2)
+    o_l: gl.constexpr = res.type.layout
+    orow = gl.arange(0, OUT_N, layout=gl.SliceLayout(1, o_l))
+    ocol = gl.arange(0, BT, layout=gl.SliceLayout(0, o_l))
+    oroutes = gl.load(sorted_ids_ptr + row0 + ocol)
+    o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n0 + orow)[:, None]
+    gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :])
+
+
+@gluon.jit
+def w4a16_prefill_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
+                         N, K, num_routes, stride_xm, stride_om,
+                         TOP_K: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                         BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr,
+                         STAGES: gl.constexpr, LW: gl.constexpr, LREGS: gl.constexpr,
+                         A_SMEM: gl.constexpr, num_warps: gl.constexpr):
+    """One (``BT0 + BT1``-row block, column tile): ``C^T [BN, BT]`` over all of K."""
+    BT: gl.constexpr = BT0 + BT1
+    OUT_N: gl.constexpr = BN // 2 if GATED else BN
+    pid_n = gl.program_id(0)
+    pid_b = gl.program_id(1)
+    expert = gl.load(expert_ids_ptr + pid_b)
+    if (pid_b * BT < gl.load(ntp_ptr)) & (expert >= 0):
+        w_sl: gl.constexpr = gl.SwizzledSharedLayout(4, 128 // (BK // 2) if BK < 256 else 1,
+                                                      BK // 32 if BK < 256 else 8, [1, 0])
+        s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], w_sl)
+        s_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK // 32], s_sl)
+        x0_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT0, BK], gl.bfloat16)
+        x0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT0, BK], x0_sl)
+        if BT1 > 0:
+            x1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT1, BK], gl.bfloat16)
+            x1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT1, BK], x1_sl)
+        else:
+            x1_bufs = x0_bufs
+        if A_SMEM:
+            a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
+            a_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, BK], a_sl)
+        else:
+            a_bufs = x0_bufs
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=32 * LW)
+            mbarrier.init(empty.index(i), count=1)
+        n0 = pid_n * OUT_N
+        row0 = pid_b * BT
+        num_steps = K // BK
+        acc0, acc1 = gl.warp_specialize([
+            (_consumer, (w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty, num_steps,
+                         BN, BK, BT0, BT1, STAGES, A_SMEM, num_warps)),
+            (_loader, (w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, x_ptr,
+                       w_ptr, s_ptr, sorted_ids_ptr, row0, expert, n0, N, K, num_routes,
+                       stride_xm, TOP_K, BN, BK, BT0, BT1, GATED, STAGES, LW)),
+        ], [LW], [LREGS])
+        _store(acc0, out_ptr, sorted_ids_ptr, row0, n0, num_routes, stride_om, BN, BT0, GATED,
+               num_warps)
+        if BT1 > 0:
+            _store(acc1, out_ptr, sorted_ids_ptr, row0 + BT0, n0, num_routes, stride_om, BN,
+                   BT1, GATED, num_warps)
+
+
+def _maxnreg(num_warps: int, lw: int, ctas: int) -> int:
+    """Registers per thread at launch for ``ctas`` CTAs per SM (warpgroups of 4 warps)."""
+    warps = num_warps + 4 * -(-lw // 4)
+    return min(256, 65536 // (ctas * warps * 32) // 8 * 8)
+
+
+def prefill_gemm(x, w, s, sorted_ids, expert_ids, ntp, grid_m, top_k, out, *, bn, bk, bt0, bt1,
+                 stages, warps, lw, a_smem=0, ctas=1, lregs=56, gated=False, num_routes=None):
+    """Launch on fragment-order words and subnormal scales (the shipped weights)."""
+    n_w, k = w.shape[1], x.shape[1]
+    n = n_w // 2 if gated else n_w
+    out_n = bn // 2 if gated else bn
+    assert k % bk == 0 and n % out_n == 0 and x.stride(1) == 1
+    w4a16_prefill_kernel[(n // out_n, grid_m)](
+        x, w, s, out, sorted_ids, expert_ids, ntp, n, k,
+        num_routes if num_routes is not None else out.shape[0], x.stride(0), out.stride(0),
+        TOP_K=top_k, BN=bn, BK=bk, BT0=bt0, BT1=bt1, GATED=gated, STAGES=stages, LW=lw,
+        LREGS=lregs, A_SMEM=bool(a_smem), num_warps=warps, maxnreg=_maxnreg(warps, lw, ctas))
+    return out
+
+
+def compile_sm90(bn, bk, bt0, bt1, stages, warps, lw, a_smem=0, ctas=1, lregs=56, gated=False,
+                 top_k=8):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = w4a16_prefill_kernel
+    consts = {"TOP_K": top_k, "BN": bn, "BK": bk, "BT0": bt0, "BT1": bt1, "GATED": gated,
+              "STAGES": stages, "LW": lw, "LREGS": lregs, "A_SMEM": bool(a_smem),
+              "num_warps": warps}
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
+            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
+    sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if a not in consts}
+    src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
+                         constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "maxnreg": _maxnreg(warps, lw, ctas)})
+
+
+def parse_tile(text: str) -> tuple[int, ...]:
+    """``BN,BK,BT0,BT1,STAGES,WARPS,LW[,A_SMEM[,CTAS[,LREGS]]]``: LW loader warps with LREGS
+    registers each, CTAS per SM (sets maxnreg)."""
+    v = [int(x) for x in text.split(",")]
+    return tuple(v + [0, 1, 56][len(v) - 7:])
+
+
+PREFILL_TILES = [parse_tile(t) for t in os.environ.get(
+    "PREFILL_TILES", "128,64,128,0,4,8,4 128,64,64,32,4,8,4 128,64,64,32,4,8,4,2 "
+    "256,64,64,0,4,8,4 256,64,128,0,3,8,4 256,64,64,32,3,8,4 128,64,64,0,4,8,4,2").split()]
+
+
+def sass_main() -> None:
+    """Per tile: the consumer's and loader's K-loop lengths (per warp and step), ptxas's
+    registers and any spill or wgmma serialization."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import sass
+
+    gated = os.environ.get("GATED") == "1"
+    for tile in PREFILL_TILES:
+        try:
+            kern = compile_sm90(*tile, gated=gated)
+        except Exception as exc:
+            print(tile, "FAILED:", (str(exc) or repr(exc)).strip().splitlines()[-1][:300])
+            continue
+        code = sass.sass_of(kern)
+        loops = [b for b in sass.loops(code) if any("LDGSTS" in ln or "HGMMA" in ln for ln in b)]
+        mma = min((len(b) for b in loops if any("HGMMA" in ln for ln in b)), default=0)
+        load = min((len(b) for b in loops if any("LDGSTS" in ln for ln in b)), default=0)
+        spills = code.count("STL") + code.count("LDL")
+        print(tile, f"consumer loop {mma}, loader loop {load}, spills {spills};",
+              "; ".join(sass.ptxas_verdict(kern)))
+
+
+ROWS = ([("EP8", proj, t) for t in (256, 512, 1024, 2048, 8192) for proj in ("gate_up", "down")]
+        + [("TP8", "gate_up", t) for t in (2048, 8192)])
+
+
+def gpu_main() -> None:
+    from chordq.kernels import bench as B
+    from chordq.kernels import bench_humming as H
+    from chordq.kernels.align import align_row_tiles, moe_align_block_size
+    from chordq.kernels.bench_humming import LAYOUTS, convert_weights, floor_model, time_graphs
+    from chordq.kernels.reference import cos_diff, moe_gemm_indexed_reference
+    from chordq.kernels.triton_config import choose_row_tiles
+    from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
+
+    out_dir = os.environ.get("OUT", "/tmp/lab")
+    os.makedirs(out_dir, exist_ok=True)
+    only = os.environ.get("PREFILL_T")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights, results, layers = {}, [], {}
+    wheel = os.environ.get("GLUON_HUMMING")  # folder holding humming's wheel (.whl)
+    if wheel:
+        H.import_humming(H.install_humming(wheel))
+    for layout, proj, tokens in ROWS:
+        if only and str(tokens) not in only.split():
+            continue
+        p = next(q for q in LAYOUTS[layout] if q.proj == proj)
+        if (layout, proj) not in weights:
+            w, sc = H.make_weights(p, 0, "cuda")
+            weights[(layout, proj)] = (w, sc, *convert_weights(w, sc, "subnormal"))
+            if wheel:
+                layers[(layout, proj)] = (H.build_humming_layer(p, w, sc)[0], {})
+        w, sc, wf, sf = weights[(layout, proj)]
+        scores = torch.rand(tokens, p.num_experts, generator=gen, device="cuda")
+        topk = scores.topk(8, dim=-1).indices.to(torch.int32)
+        rows = 8 * tokens
+        x = torch.randn(p.input_rows(tokens), p.k, generator=gen, device="cuda").to(torch.bfloat16)
+        touched = int(torch.unique(topk).numel())
+        floor_us = floor_model(p, tokens, touched)["floor_us"]
+        tiles = choose_row_tiles(rows / p.num_experts, p.n, p.k)
+        pieces = align_row_tiles(topk, tiles, p.num_experts)
+        fns, outs, wants = {}, {}, {}
+        out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
+        fns["shipped"] = (lambda out=out, pieces=pieces: moe_gemm_mixed_triton(
+            x, wf, sf, pieces, p.top_k, out=out, w_order="subnormal"))
+        outs["shipped"] = (out, tiles[0])
+        if wheel:
+            layer, cache = layers[(layout, proj)]
+            cfg, _ = H.humming_config(layer, rows, cache)
+            bm = int(cfg["block_shape"][0])
+            h_aligned, _ = H.humming_align(topk, p.num_experts, bm)
+            out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
+            cfg_json = json.dumps(cfg)
+            fns["humming"] = (lambda out=out, a=h_aligned, layer=layer, cfg_json=cfg_json: layer(
+                x, outputs=out, sorted_ids=a[0], expert_ids=a[1], num_tokens_padded=a[2],
+                top_k=p.top_k, compute_config=H.HUMMING_COMPUTE_CONFIG, tuning_config=cfg_json))
+            outs["humming"] = (out, bm)
+        for bn, bk, bt0, bt1, stages, warps, lw, a_smem, ctas, lregs in PREFILL_TILES:
+            bt = bt0 + bt1
+            if p.n % bn or p.k % bk:
+                continue
+            a = moe_align_block_size(topk, bt, p.num_experts)
+            out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
+            name = (f"g {bn}x{bk} {bt0}+{bt1} s{stages} w{warps}+{lw}" + " A"[a_smem]
+                    + f" c{ctas} r{lregs}")
+            fns[name] = (lambda out=out, a=a, nb=int(a[2][0]) // bt, t=(bn, bk, bt0, bt1, stages,
+                         warps, lw, a_smem, ctas, lregs): prefill_gemm(
+                x, wf, sf, a[0], a[1], a[2], nb, p.top_k, out, bn=t[0], bk=t[1], bt0=t[2],
+                bt1=t[3], stages=t[4], warps=t[5], lw=t[6], a_smem=t[7], ctas=t[8], lregs=t[9]))
+            outs[name] = (out, bt)
+        errors = {}
+        for name, fn in list(fns.items()):
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except Exception as exc:
+                errors[name] = (str(exc) or repr(exc)).strip().splitlines()[-1][:300]
+                print(f"  {name}: {errors[name]}", flush=True)
+                del fns[name]
+        cos = {}
+        for name, (o, bt) in outs.items():
+            if name in errors:
+                continue
+            if bt not in wants:
+                wants[bt] = moe_gemm_indexed_reference(x, w, sc, *moe_align_block_size(
+                    topk, bt, p.num_experts), p.top_k, bt)
+            cos[name] = cos_diff(o, wants[bt])
+            if cos[name] != cos[name]:  # nan: say what came out
+                print(f"  {name}: nan {int(o.isnan().sum())}, zero rows "
+                      f"{int((o == 0).all(1).sum())} of {o.shape[0]}, max {o.float().abs().max()}")
+        times = time_graphs(fns, 7, B.GRAPH_CALLS)
+        base = times["shipped"].get("graph_us")
+        hum = times.get("humming", {}).get("graph_us")
+        for name in fns:
+            us = times[name].get("graph_us")
+            r = {"layout": layout, "proj": proj, "T": tokens, "touched": touched, "variant": name,
+                 "graph_us": us, "cos_diff": cos[name], "floor_us": floor_us,
+                 "vs_shipped": us / base if us and base else None,
+                 "vs_humming": us / hum if us and hum else None}
+            results.append(r)
+            print(f"{layout} {proj:7s} T={tokens:4d} {name:28s} "
+                  f"{us or float('nan'):8.1f} us {100 * floor_us / us if us else 0:5.1f}% "
+                  f"x{r['vs_shipped'] or 0:.3f} /H {r['vs_humming'] or 0:.3f} "
+                  f"cos={cos[name]:.1e} {times[name].get('graph_error', '')}", flush=True)
+        json.dump(results, open(f"{out_dir}/gluon_prefill.json", "w"), indent=1)
+
+
+def profile_main(proj: str, tokens: int, tile: str) -> None:
+    """Four launches of one Gluon tile, then four of the shipped Triton tiles (EP8), for
+    ``ncu --kernel-name`` to pick one of each (``scripts/kernel_lab/ncu_prefill.sh``)."""
+    from chordq.kernels.align import align_row_tiles, moe_align_block_size
+    from chordq.kernels.bench_humming import LAYOUTS, convert_weights, make_weights
+    from chordq.kernels.triton_config import choose_row_tiles
+    from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
+
+    t = parse_tile(tile)
+    p = next(q for q in LAYOUTS["EP8"] if q.proj == proj)
+    wf, sf = convert_weights(*make_weights(p, 0, "cuda"), "subnormal")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    topk = torch.rand(tokens, p.num_experts, generator=gen, device="cuda").topk(8, -1).indices
+    topk = topk.to(torch.int32)
+    x = torch.randn(p.input_rows(tokens), p.k, generator=gen, device="cuda").to(torch.bfloat16)
+    out = torch.empty(8 * tokens, p.n, dtype=torch.bfloat16, device="cuda")
+    a = moe_align_block_size(topk, t[2] + t[3], p.num_experts)
+    for _ in range(4):
+        prefill_gemm(x, wf, sf, a[0], a[1], a[2], int(a[2][0]) // (t[2] + t[3]), p.top_k, out,
+                     bn=t[0], bk=t[1], bt0=t[2], bt1=t[3], stages=t[4], warps=t[5], lw=t[6],
+                     a_smem=t[7], ctas=t[8], lregs=t[9])
+    pieces = align_row_tiles(topk, choose_row_tiles(8 * tokens / p.num_experts, p.n, p.k),
+                             p.num_experts)
+    for _ in range(4):
+        moe_gemm_mixed_triton(x, wf, sf, pieces, p.top_k, out=out, w_order="subnormal")
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__" and "--profile" in sys.argv:
+    profile_main(*sys.argv[2:3], int(sys.argv[3]), sys.argv[4])
+elif __name__ == "__main__" and "--sass" not in sys.argv:
+    gpu_main()
+if __name__ == "__main__" and "--sass" in sys.argv:
+    sass_main()
