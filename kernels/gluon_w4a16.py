@@ -56,21 +56,30 @@ def gluon_ready(device: torch.device | str) -> bool:
 
 
 @gluon.constexpr_function
-def _layouts(BN, num_warps):
+def _operand_layouts(BN, BK, num_warps):
     """Register layouts (linear: bases of register, lane and warp bits) of one K step's words
-    ``[BN, 32]``, scales ``[BN, 8, 4]`` (each group's scale once per word of the group) and X
-    rows ``[8, 256]``: exactly the A and B fragments of ``mma.sync`` with ``[num_warps, 1]``
-    warps, so converting to the operand layouts moves nothing."""
+    ``[BN, BK/8]`` and scales ``[BN, BK/32, 4]`` (each group's scale once per word of the
+    group) with ``[num_warps, 1]`` warps of 16 rows: the A fragments of ``mma.sync`` and of
+    wgmma's register operand, so converting to the operand layout moves nothing."""
     rows = [[16 * num_warps << i, 0] for i in range((BN // (16 * num_warps)).bit_length() - 1)]
     warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
+    cols = [[0, 4 << i] for i in range((BK // 32).bit_length() - 1)]
     words = gl.DistributedLinearLayout(
-        reg_bases=[[0, 4], [0, 8], [0, 16], [8, 0]] + rows,
+        reg_bases=cols + [[8, 0]] + rows,
         lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=warps, block_bases=[], shape=[BN, 32])
+        warp_bases=warps, block_bases=[], shape=[BN, BK // 8])
     scales = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [8, 0, 0]] + [r + [0] for r in rows],
+        reg_bases=[[0, c[1] // 4, 0] for c in cols] + [[8, 0, 0]] + [r + [0] for r in rows],
         lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[w + [0] for w in warps], block_bases=[], shape=[BN, 8, 4])
+        warp_bases=[w + [0] for w in warps], block_bases=[], shape=[BN, BK // 32, 4])
+    return words, scales
+
+
+@gluon.constexpr_function
+def _layouts(BN, num_warps):
+    """``_operand_layouts`` for one 256-deep step, and X rows ``[8, 256]`` as ``mma.sync``'s
+    B fragment."""
+    words, scales = _operand_layouts(BN, 256, num_warps)
     x = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128]],
         lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
@@ -79,19 +88,25 @@ def _layouts(BN, num_warps):
 
 
 @gluon.jit
-def _dequant_mma(w, s, x, acc, a_layout: gl.constexpr, b_layout: gl.constexpr,
-                 s3_layout: gl.constexpr, BN: gl.constexpr):
-    """``acc += W x^T`` for one K step: words ``[BN, 32]``, scales ``[BN, 8]``, X ``[8, 256]``."""
-    s3, _ = gl.broadcast(gl.expand_dims(s, 2), gl.zeros([BN, 8, 4], gl.int8, s3_layout))
-    s4 = gl.reshape(s3, [BN, 32])  # word 4 g + t: group g's scale
+def _dequant(w, s, s3_layout: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    """Words ``[BN, BK/8]`` and scales ``[BN, BK/32]`` -> BF16 ``[BN, BK]`` in natural K."""
+    G: gl.constexpr = BK // 32
+    s3, _ = gl.broadcast(gl.expand_dims(s, 2), gl.zeros([BN, G, 4], gl.int8, s3_layout))
+    s4 = gl.reshape(s3, [BN, BK // 8])  # word 4 g + t: group g's scale
     p0, p1, p2, p3 = gl.inline_asm_elementwise(
         _ASM, "=r,=r,=r,=r,r,r,r", [gl.join(w, w), gl.join(s4, s4)],
         dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
     pairs = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [BN, word, h, j & 1, j >> 1]
     # word 4 g + t, pair j, half h: k = 32 g + 16 (j >> 1) + 8 (j & 1) + 2 t + h
-    a = gl.reshape(pairs, [BN, 8, 4, 2, 2, 2])
-    a = gl.reshape(gl.permute(a, [0, 1, 5, 4, 2, 3]), [BN, BK])
-    a = gl.convert_layout(a, a_layout, assert_trivial=True)
+    a = gl.reshape(pairs, [BN, G, 4, 2, 2, 2])
+    return gl.reshape(gl.permute(a, [0, 1, 5, 4, 2, 3]), [BN, BK])
+
+
+@gluon.jit
+def _dequant_mma(w, s, x, acc, a_layout: gl.constexpr, b_layout: gl.constexpr,
+                 s3_layout: gl.constexpr, BN: gl.constexpr):
+    """``acc += W x^T`` for one K step: words ``[BN, 32]``, scales ``[BN, 8]``, X ``[8, 256]``."""
+    a = gl.convert_layout(_dequant(w, s, s3_layout, BN, BK), a_layout, assert_trivial=True)
     b = gl.convert_layout(gl.permute(x, [1, 0]), b_layout, assert_trivial=True)
     return mma_v2(a, b, acc)
 

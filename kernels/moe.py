@@ -143,12 +143,10 @@ def _fused_moe_triton(
     top_k = topk_ids.shape[1]
     # One alignment serves both GEMMs: its blocks are the gate_up tiles' row counts (one size,
     # or 128 + 64 + 32 at 128-256 rows per expert), and the wrappers' own heuristic (same
-    # shapes, so the same tiles, plus split-K for thin grids) picks the rest.
-    # The Gluon decode blocks (8 rows) serve the down GEMM too: its K (I) must be whole 256-deep
-    # steps and its N (H) whole 128-column tiles.
-    down_ok = (two_i // 2) % 256 == 0 and h % 128 == 0
+    # shapes, so the same tiles, plus split-K for thin grids) picks the rest. A Gluon tile's
+    # blocks (8 or 96 rows) are taken only where the down GEMM (N = H, K = I) can run them too.
     sizes = row_tiles(m * top_k / e, two_i // 2, h, e, x.device, w_order, gated=True,
-                      gluon=down_ok)
+                      down=(h, two_i // 2))
     pieces = align_row_tiles(topk_ids, sizes, e)
     act = moe_gemm_mixed_triton(x, w13_packed, w13_scale, pieces, top_k, activation="silu_mul",
                                 w_order=w_order)

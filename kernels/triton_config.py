@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
-           "gluon_decode_applies", "GLUON_DECODE_TILE"]
+           "gluon_decode_applies", "gluon_prefill_applies", "GLUON_DECODE_TILE",
+           "GLUON_PREFILL_TILE"]
 
 GROUP_SIZE = 32
 K_ORDERS = ("natural", "planes", "pairs", "fragments", "subnormal")
@@ -65,10 +66,12 @@ class W4A16Config:
         the 4-per-SM R128 tile (plan26, wave_sweep), so the heuristic does not use it.
     :param columns_first: programs walk one row block's column tiles before the next row
         block (one expert's weights at a time) instead of row blocks first (indexed path).
-    :param backend: ``"triton"``, or ``"gluon"`` for ``gluon_w4a16``'s 8-row ``mma.sync``
-        decode tile (indexed path, subnormal weights, sm_90 only): ``block_m`` 8, ``block_k``
+    :param backend: ``"triton"``, or ``"gluon"`` (indexed path, subnormal weights, sm_90
+        only) for ``gluon_w4a16``'s 8-row ``mma.sync`` decode tile (``block_m`` 8, ``block_k``
         256, ``num_stages`` the depth of its copy ring; with ``silu_mul`` ``block_n`` counts
-        the gate and up rows together.
+        the gate and up rows together) or ``gluon_prefill``'s 96-row warp-specialized tile
+        (``block_m`` 96, 256 weight rows: ``block_n`` 256, or 128 per half with
+        ``silu_mul``; ``num_warps`` 4 is its loader, two 4-warp consumers come on top).
     """
 
     block_m: int = 16
@@ -113,11 +116,17 @@ class W4A16Config:
                              f"got stream_k={self.stream_k} split_k={self.split_k} "
                              f"n_tiles={self.n_tiles}")
         if self.backend == "gluon":
-            if (self.block_m, self.block_k, self.k_order, self.split_k, self.n_tiles,
-                    self.stream_k) != (8, 256, "subnormal", 1, 1, 0) or self.block_n < 64:
-                raise ValueError(f"the gluon backend is the 8-row decode tile: block_m 8, "
-                                 f"block_k 256, block_n >= 64, k_order 'subnormal', no split_k, "
-                                 f"n_tiles or stream_k; got {self}")
+            plain = (self.k_order, self.split_k, self.n_tiles, self.stream_k, self.max_registers,
+                     self.columns_first) == ("subnormal", 1, 1, 0, None, False)
+            decode = (self.block_m, self.block_k) == (8, 256) and self.block_n >= 64
+            prefill = (self.block_m == 96 and self.block_k in (64, 128, 256)
+                       and self.block_n in (128, 256) and self.num_warps == 4)
+            if not (plain and (decode or prefill)):
+                raise ValueError(f"the gluon backend is the 8-row decode tile (block_m 8, "
+                                 f"block_k 256, block_n >= 64) or the 96-row prefill tile "
+                                 f"(block_m 96, block_n 128 or 256, 4 loader warps), "
+                                 f"k_order 'subnormal', no split_k, n_tiles, stream_k, "
+                                 f"max_registers or columns_first; got {self}")
             return
         if self.backend != "triton":
             raise ValueError(f"backend must be 'triton' or 'gluon', got {self.backend!r}")
@@ -134,6 +143,12 @@ class W4A16Config:
 # rows (the loop is a 256-deep K step; one in flight hides the latency); 64 or 256 rows per
 # CTA, 8 warps, or 16 token rows (X traffic doubles) were slower.
 GLUON_DECODE_TILE = W4A16Config(8, 128, 256, 4, 2, k_order="subnormal", backend="gluon")
+# gluon_prefill's tile: 96-row blocks (64 + 32 token rows), 256 weight rows in two ping-pong
+# warpgroups, 128-deep steps, 3-slot ring. Picked on the H200 (scripts/kernel_lab/
+# gluon_prefill.py, Humming alongside): against 128 weight rows per program (64 per
+# warpgroup) or 64-deep steps and 4 slots, EP8 T=512 down 314 vs 340-363 µs, T=1024 gate_up
+# 1071 vs 1095-1196; 128-row blocks run out of registers (ptxas serializes the wgmmas).
+GLUON_PREFILL_TILE = W4A16Config(96, 256, 128, 4, 3, k_order="subnormal", backend="gluon")
 
 
 def touched_experts(num_experts: int, num_routes: float) -> float:
@@ -147,17 +162,40 @@ def gluon_decode_applies(rows_per_expert: float, n: int, k: int, num_experts: in
     """Whether ``choose_row_tiles`` takes the Gluon 8-row tile (given an sm_90 GPU and
     subnormal weights): up to 6 rows per expert (one 8-row block for most experts; at 21 rows,
     EP8 T=128, the three blocks re-dequantize the weights: 1.6-2.1x slower), K a multiple of
-    256, whole 64-column tiles, and a grid of at least 1.5 programs per SM (TP8 gate_up T=1,
+    256, whole column tiles, and a grid of at least 1.5 programs per SM (TP8 gate_up T=1,
     32 tiles, ran 1.7x slower; EP8 gate_up T=1, 256 tiles, 0.97 of the Triton tile's time).
 
     :param n: output features (with ``gated``, ``silu_mul``: per half; a tile then covers 64)
     """
-    if not (0 < rows_per_expert <= 6 and k % 256 == 0 and n % 64 == 0 and num_experts > 0):
+    if not (0 < rows_per_expert <= 6 and _gluon_decode_fits(n, k, gated) and num_experts > 0):
         return False
-    touched = touched_experts(num_experts, rows_per_expert * num_experts)
     out_n = GLUON_DECODE_TILE.block_n // (2 if gated else 1)
+    touched = touched_experts(num_experts, rows_per_expert * num_experts)
     tiles = touched * max(1, math.ceil(rows_per_expert / 8)) * n / out_n
     return tiles >= 1.5 * num_sms
+
+
+def _gluon_decode_fits(n: int, k: int, gated: bool) -> bool:
+    """The decode tile's shape rule: whole 256-deep steps and whole column tiles."""
+    return k % 256 == 0 and n % (GLUON_DECODE_TILE.block_n // (2 if gated else 1)) == 0
+
+
+def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = False) -> bool:
+    """Whether ``choose_row_tiles`` takes the Gluon 96-row tile (given an sm_90 GPU and
+    subnormal weights): 64-90 or 128-180 rows per expert, where 96-row blocks pad less than
+    the Triton tiles (85 rows: one block of 96 instead of 128; 171: two of 96, as 128 + 64),
+    K a multiple of 128 and at least 2048, N at least 2048 in whole 256-row tiles. Measured on
+    the H200 (scripts/kernel_lab/gluon_prefill.py, EP8): T=512 (85 rows) gate_up 0.89 and down
+    0.84 of the Triton tiles' time, T=1024 (171) 0.90 / 0.97; at 43 rows (T=256, where the
+    Triton tile is 64 rows) 1.32 / 1.27. 97-128 rows would take two blocks of 96 for one of
+    128, and N < 2048 (TP8 gate_up) was not measured.
+
+    :param n: output features (with ``gated``, ``silu_mul``: per half; a tile then covers 128)
+    """
+    out_n = GLUON_PREFILL_TILE.block_n // (2 if gated else 1)
+    window = 64 < rows_per_expert <= 90 or 128 < rows_per_expert <= 180
+    return (window and k % GLUON_PREFILL_TILE.block_k == 0 and k >= 2048 and n >= 2048
+            and n % out_n == 0)
 
 
 def _block_m_for(rows_per_expert: float) -> int:
@@ -210,11 +248,14 @@ def choose_config(
         raise ValueError(f"K={k} is not a multiple of the group size {GROUP_SIZE}")
     if w_order not in W_ORDERS:
         raise ValueError(f"w_order must be one of {W_ORDERS}, got {w_order!r}")
-    if block_m == 8:  # the Gluon decode tile's blocks (choose_row_tiles with gluon_experts)
+    if block_m in (8, 96):  # the Gluon tiles' blocks (choose_row_tiles with gluon_experts)
         if interpret or w_order != "subnormal":
-            raise ValueError("8-row blocks are the Gluon decode tile's: it needs an sm_90 GPU "
-                             "and w_order='subnormal' weights")
-        return GLUON_DECODE_TILE
+            raise ValueError(f"{block_m}-row blocks are a Gluon tile's: it needs an sm_90 GPU "
+                             f"and w_order='subnormal' weights")
+        if block_m == 8:
+            return GLUON_DECODE_TILE
+        return dataclasses.replace(GLUON_PREFILL_TILE, block_n=GLUON_PREFILL_TILE.block_n
+                                   // (2 if gated else 1))
     cfg = _choose(rows_per_expert, n, k, gated, block_m, w_order != "checkpoint",
                   w_order == "subnormal", interpret)
     # the subnormal tiles are the fragment tiles with the cheaper dequantization (same loads)
@@ -295,16 +336,19 @@ def _choose(rows_per_expert: float, n: int, k: int, gated: bool, block_m: int | 
 
 
 def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool = False,
-                     gluon_experts: int = 0, num_sms: int = 132, gated: bool = False
-                     ) -> tuple[int, ...]:
+                     gluon_experts: int = 0, num_sms: int = 132, gated: bool = False,
+                     down: tuple[int, int] | None = None) -> tuple[int, ...]:
     """Row-tile sizes for ``align.moe_align_mixed``: ``(8,)``, the Gluon decode tile, where
-    ``gluon_decode_applies``; ``(128, 64, 32)`` for K > N, ``(128, 64)`` otherwise, at 128-256
+    ``gluon_decode_applies``; ``(96,)``, the Gluon prefill tile, where
+    ``gluon_prefill_applies``; ``(128, 64, 32)`` for K > N, ``(128, 64)`` otherwise, at 128-256
     rows per expert; elsewhere the one ``choose_config`` block.
 
-    :param gluon_experts: the local expert count when the Gluon tile can run (an sm_90 GPU and
+    :param gluon_experts: the local expert count when the Gluon tiles can run (an sm_90 GPU and
         subnormal weights: ``gluon_w4a16.gluon_ready``), else 0
     :param num_sms: the GPU's SM count (for the Gluon tile's grid rule)
     :param gated: the blocks serve a ``silu_mul`` GEMM (n: output features per half)
+    :param down: ``(N, K)`` of a second GEMM on the same blocks (``fused_moe``'s down
+        projection): a Gluon tile is taken only where it applies to that one too
 
     There two 128-row blocks hold 129-256 rows, up to half of them padding; a 64- (or 32-) row
     block for the remainder runs less padding, in one more launch. Measured on the H200
@@ -313,9 +357,13 @@ def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool 
     -> 1242.9; at 85 rows (64 + 32 instead of 128) and 341 rows it lost or tied, the smaller
     tiles costing more per row than the padding they save.
     """
-    if (gluon_experts and not interpret
-            and gluon_decode_applies(rows_per_expert, n, k, gluon_experts, num_sms, gated)):
-        return (8,)
+    if gluon_experts and not interpret:
+        if (gluon_decode_applies(rows_per_expert, n, k, gluon_experts, num_sms, gated)
+                and (down is None or _gluon_decode_fits(*down, False))):
+            return (8,)
+        if (gluon_prefill_applies(rows_per_expert, n, k, gated)
+                and (down is None or gluon_prefill_applies(rows_per_expert, *down))):
+            return (96,)
     if interpret or not 128 < rows_per_expert <= 256:
         return (_block_m_for(rows_per_expert),)
     return (128, 64, 32) if k > n else (128, 64)

@@ -54,8 +54,16 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import triton_config
-from .triton_config import (GROUP_SIZE, K_ORDER_OF, K_ORDERS, W_ORDERS, W4A16Config,
-                            choose_config, choose_n_tiles, choose_split_k)
+from .triton_config import (
+    GROUP_SIZE,
+    K_ORDER_OF,
+    K_ORDERS,
+    W_ORDERS,
+    W4A16Config,
+    choose_config,
+    choose_n_tiles,
+    choose_split_k,
+)
 
 __all__ = [
     "indexed_config",
@@ -802,8 +810,8 @@ def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, 
         return choose_config(rows_per_expert, n, k, gated=gated, block_m=block_m,
                              w_order=w_order, interpret=device.type == "cpu")
     if config.backend == "gluon" and (not indexed or device.type != "cuda"):
-        raise ValueError("the gluon backend (8-row decode tile) runs the indexed path on an "
-                         "sm_90 GPU only")
+        raise ValueError("the gluon backend (8-row decode and 96-row prefill tiles) runs the "
+                         "indexed path on an sm_90 GPU only")
     if config.split_k > 1 and not indexed:
         raise ValueError("split_k > 1 is implemented for the indexed path only")
     want = K_ORDER_OF[w_order]
@@ -845,13 +853,14 @@ def _launch_args(cfg: W4A16Config, gated: bool, n: int) -> dict:
 
 
 def row_tiles(rows_per_expert: float, n: int, k: int, num_experts: int, device: torch.device,
-              w_order: str, *, gated: bool = False, gluon: bool = True) -> tuple[int, ...]:
-    """``triton_config.choose_row_tiles`` for ``device``: the Gluon 8-row decode tile is a
-    candidate on an sm_90 GPU with subnormal weights (``gluon_w4a16.gluon_ready``) unless
-    ``gluon`` is False (a caller whose other GEMM on the same blocks could not take it)."""
+              w_order: str, *, gated: bool = False, down: tuple[int, int] | None = None
+              ) -> tuple[int, ...]:
+    """``triton_config.choose_row_tiles`` for ``device``: the Gluon tiles (8-row decode, 96-row
+    prefill) are candidates on an sm_90 GPU with subnormal weights (``gluon_w4a16.gluon_ready``;
+    where ``down`` is given, only if they apply to that GEMM on the same blocks too)."""
     device = torch.device(device)
     experts = 0
-    if gluon and device.type == "cuda" and w_order == "subnormal" and not _INTERPRETED:
+    if device.type == "cuda" and w_order == "subnormal" and not _INTERPRETED:
         try:  # Gluon is experimental: a Triton without it (or with other names) keeps Triton's
             from .gluon_w4a16 import gluon_ready
         except (ImportError, AttributeError):
@@ -859,7 +868,7 @@ def row_tiles(rows_per_expert: float, n: int, k: int, num_experts: int, device: 
         experts = num_experts if gluon_ready and gluon_ready(device) else 0
     return triton_config.choose_row_tiles(rows_per_expert, n, k, interpret=device.type == "cpu",
                                           gluon_experts=experts, num_sms=_num_sms(device),
-                                          gated=gated)
+                                          gated=gated, down=down)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -989,13 +998,20 @@ def moe_gemm_indexed_triton(
     if grid_m * n_tiles == 0:
         return out
     split = cfg.split_k
-    if cfg.backend == "gluon":
+    if cfg.backend == "gluon" and cfg.block_m == 8:
         from .gluon_w4a16 import moe_gemm_indexed_gluon
 
         return moe_gemm_indexed_gluon(
             x, w_packed, w_scale, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
             out, num_routes=num_routes, grid_m=grid_m, block_n=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, gated=gated)
+    if cfg.backend == "gluon":
+        from .gluon_prefill import moe_gemm_indexed_gluon_prefill
+
+        return moe_gemm_indexed_gluon_prefill(
+            x, w_packed, w_scale, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
+            out, num_routes=num_routes, grid_m=grid_m, block_m=cfg.block_m,
+            block_n=cfg.block_n, block_k=cfg.block_k, num_stages=cfg.num_stages, gated=gated)
     args = (num_routes, n, k, grid_m, x.stride(0), w_packed.stride(0), w_packed.stride(1),
             w_scale.stride(0), w_scale.stride(1))
     if cfg.n_tiles > 1:

@@ -32,7 +32,7 @@ esac
 log "pytest gpu"
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py 2>&1 | tail -8 | tee "$OUT/pytest_gpu.txt"
 if [ "$MODE" != convert ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_triton.py tests/test_kernels_gluon.py 2>&1 | tail -25 | tee -a "$OUT/pytest_gpu.txt"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_triton.py tests/test_kernels_gluon.py tests/test_kernels_gluon_prefill.py 2>&1 | tail -25 | tee -a "$OUT/pytest_gpu.txt"
   log "bench_kernels"
   timeout 200 python3 scripts/bench_kernels.py --out "$OUT/kernels" 2>&1 | tail -40 | tee "$OUT/bench_kernels.txt"
 fi

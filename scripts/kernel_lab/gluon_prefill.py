@@ -35,7 +35,6 @@ import sys
 
 import torch
 import triton
-from chordq.kernels.triton_w4a16 import _DEQUANT_SUBNORMAL_ASM
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -46,42 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-_ASM = gl.constexpr(_DEQUANT_SUBNORMAL_ASM.value)
-_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-
-
-@gluon.constexpr_function
-def _layouts(BN, BK, num_warps):
-    """Consumer register layouts of one K step's words ``[BN, BK/8]`` and scales
-    ``[BN, BK/32, 4]`` (each group's scale once per word): wgmma's register-A fragments, as
-    in ``gluon_w4a16._layouts`` (which is the BK = 256 case)."""
-    rows = [[16 * num_warps << i, 0] for i in range((BN // (16 * num_warps)).bit_length() - 1)]
-    warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
-    cols = [[0, 4 << i] for i in range((BK // 32).bit_length() - 1)]
-    words = gl.DistributedLinearLayout(
-        reg_bases=cols + [[8, 0]] + rows,
-        lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=warps, block_bases=[], shape=[BN, BK // 8])
-    scales = gl.DistributedLinearLayout(
-        reg_bases=[[0, c[1] // 4, 0] for c in cols] + [[8, 0, 0]] + [r + [0] for r in rows],
-        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[w + [0] for w in warps], block_bases=[], shape=[BN, BK // 32, 4])
-    return words, scales
-
-
-@gluon.jit
-def _dequant(w, s, s3_layout: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
-    """Words ``[BN, BK/8]`` and scales ``[BN, BK/32]`` -> BF16 ``[BN, BK]`` in natural K."""
-    G: gl.constexpr = BK // 32
-    s3, _ = gl.broadcast(gl.expand_dims(s, 2), gl.zeros([BN, G, 4], gl.int8, s3_layout))
-    s4 = gl.reshape(s3, [BN, BK // 8])  # word 4 g + t: group g's scale
-    p0, p1, p2, p3 = gl.inline_asm_elementwise(
-        _ASM, "=r,=r,=r,=r,r,r,r", [gl.join(w, w), gl.join(s4, s4)],
-        dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
-    pairs = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [BN, word, h, j & 1, j >> 1]
-    # word 4 g + t, pair j, half h: k = 32 g + 16 (j >> 1) + 8 (j & 1) + 2 t + h
-    a = gl.reshape(pairs, [BN, G, 4, 2, 2, 2])
-    return gl.reshape(gl.permute(a, [0, 1, 5, 4, 2, 3]), [BN, BK])
+from chordq.kernels.gluon_prefill import _store, _x_ptrs, moe_gemm_indexed_gluon_prefill
+from chordq.kernels.gluon_w4a16 import _cp_async, _dequant, _operand_layouts
 
 
 @gluon.constexpr_function
@@ -100,8 +65,8 @@ def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty, num_steps,
     (A_SMEM=False; two consumer warpgroups overlap one's dequantization with the other's
     wgmmas), or A goes through a 2-slot shared ring (A_SMEM=True) and one step stays in
     flight."""
-    w_l: gl.constexpr = _layouts(BN, BK, num_warps)[0]
-    s3_l: gl.constexpr = _layouts(BN, BK, num_warps)[1]
+    w_l: gl.constexpr = _operand_layouts(BN, BK, num_warps)[0]
+    s3_l: gl.constexpr = _operand_layouts(BN, BK, num_warps)[1]
     mma0: gl.constexpr = _mma_layout(BT0, num_warps)
     a0_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma0, k_width=2)
     acc0 = gl.zeros([BN, BT0], gl.float32, mma0)
@@ -151,18 +116,6 @@ def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty, num_steps,
 
 
 @gluon.jit
-def _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K: gl.constexpr,
-            BT: gl.constexpr, BK: gl.constexpr, LW: gl.constexpr):
-    tpc: gl.constexpr = min(32, BK // 8)
-    xc_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpc, tpc], [LW, 1], [1, 0])
-    xr = gl.arange(0, BT, layout=gl.SliceLayout(1, xc_l))
-    xc = gl.arange(0, BK, layout=gl.SliceLayout(0, xc_l))
-    routes = gl.load(sorted_ids_ptr + row0 + xr)
-    routes = gl.where(routes < num_routes, routes, 0)  # sentinels read row 0, not stored
-    return x_ptr + (routes // TOP_K).to(gl.int64)[:, None] * stride_xm + xc[None, :]
-
-
-@gluon.jit
 def _loader(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, x_ptr, w_ptr, s_ptr,
             sorted_ids_ptr, row0, expert, n0, N, K, num_routes, stride_xm,
             TOP_K: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
@@ -200,31 +153,6 @@ def _loader(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, x_ptr, w_
         if BT1 > 0:
             _cp_async(x1_bufs.index(slot), x1_ptrs + i * BK)
         async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-
-
-@gluon.jit
-def _store(acc, out_ptr, sorted_ids_ptr, row0, n0, num_routes, stride_om, BN: gl.constexpr,
-           BT: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
-    """``out[route, n0 + n] = acc[n, r]`` (SiLU(gate) * up with GATED), 16-byte stores."""
-    OUT_N: gl.constexpr = BN // 2 if GATED else BN
-    tn: gl.constexpr = min(32, OUT_N // 8)
-    if GATED:
-        e3: gl.constexpr = gl.BlockedLayout([2, 8, 1], [1, tn, 32 // tn], [1, 1, num_warps],
-                                            [0, 1, 2])
-        g = gl.convert_layout(gl.reshape(acc, [2, OUT_N, BT]), e3)
-        gate, up = gl.split(gl.permute(g, [1, 2, 0]))
-        gate = gate.to(gl.bfloat16).to(gl.float32)
-        up = up.to(gl.bfloat16).to(gl.float32)
-        res = gate / (1.0 + gl.exp(-gate)) * up
-    else:
-        e2: gl.constexpr = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, num_warps], [0, 1])
-        res = gl.convert_layout(acc, e2)
-    o_l: gl.constexpr = res.type.layout
-    orow = gl.arange(0, OUT_N, layout=gl.SliceLayout(1, o_l))
-    ocol = gl.arange(0, BT, layout=gl.SliceLayout(0, o_l))
-    oroutes = gl.load(sorted_ids_ptr + row0 + ocol)
-    o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n0 + orow)[:, None]
-    gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :])
 
 
 @gluon.jit
@@ -280,159 +208,6 @@ def w4a16_prefill_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
                    BT1, GATED, num_warps)
 
 
-@gluon.jit
-def _wg_ptrs(w_ptr, s_ptr, expert, n_g, N, K, WGR: gl.constexpr, BK: gl.constexpr,
-             GATED: gl.constexpr, LW: gl.constexpr):
-    """Word and scale pointers of one consumer warpgroup's WGR weight rows: rows ``n_g..``
-    (GATED: WGR/2 gate rows ``n_g..`` and their up rows ``N + n_g..``)."""
-    W: gl.constexpr = BK // 8
-    G: gl.constexpr = BK // 32
-    wtc: gl.constexpr = min(32, W // 4)
-    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // wtc, wtc], [LW, 1], [1, 0])
-    sc_l: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [LW, 1], [1, 0])
-    n_w = 2 * N if GATED else N
-    base = expert.to(gl.int64) * n_w
-    wr = gl.arange(0, WGR, layout=gl.SliceLayout(1, wc_l))
-    sr = gl.arange(0, WGR, layout=gl.SliceLayout(1, sc_l))
-    if GATED:
-        wr = gl.where(wr < WGR // 2, n_g + wr, N + n_g + wr - WGR // 2)
-        sr = gl.where(sr < WGR // 2, n_g + sr, N + n_g + sr - WGR // 2)
-    else:
-        wr = n_g + wr
-        sr = n_g + sr
-    w_ptrs = (w_ptr + (base + wr)[:, None] * ((K // BK) * W)
-              + gl.arange(0, W, layout=gl.SliceLayout(0, wc_l))[None, :])
-    s_ptrs = (s_ptr + (base + sr)[:, None] * ((K // BK) * G)
-              + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))[None, :])
-    return w_ptrs, s_ptrs
-
-
-@gluon.jit
-def _pp_loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
-               x_ptr, w_ptr, s_ptr, sorted_ids_ptr, row0, expert, n0, OUT_W, N, K, num_routes,
-               stride_xm, TOP_K: gl.constexpr, WGR: gl.constexpr, BK: gl.constexpr,
-               BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr,
-               STAGES: gl.constexpr, num_warps: gl.constexpr):
-    w0_ptrs, s0_ptrs = _wg_ptrs(w_ptr, s_ptr, expert, n0, N, K, WGR, BK, GATED, num_warps)
-    w1_ptrs, s1_ptrs = _wg_ptrs(w_ptr, s_ptr, expert, n0 + OUT_W, N, K, WGR, BK, GATED,
-                                num_warps)
-    x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0, BK,
-                      num_warps)
-    if BT1 > 0:
-        x1_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0 + BT0, num_routes, stride_xm, TOP_K, BT1,
-                          BK, num_warps)
-    for i in range(num_steps):
-        slot = i % STAGES
-        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # both warpgroups are done
-        _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)
-        if BT1 > 0:
-            _cp_async(x1_bufs.index(slot), x1_ptrs + i * BK)
-        _cp_async(w0_bufs.index(slot), w0_ptrs + i * (BK // 8))
-        _cp_async(s0_bufs.index(slot), s0_ptrs + i * (BK // 32))
-        _cp_async(w1_bufs.index(slot), w1_ptrs + i * (BK // 8))
-        _cp_async(s1_bufs.index(slot), s1_ptrs + i * (BK // 32))
-        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-
-
-@gluon.jit
-def _pp_consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, out_ptr,
-                 sorted_ids_ptr, row0, n_out, num_routes, stride_om, WGR: gl.constexpr,
-                 BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr,
-                 STAGES: gl.constexpr):
-    """One warpgroup's 64 weight rows over all of K, then its own store: the two consumer
-    warpgroups share nothing but the X ring, so one dequantizes while the other's wgmmas run
-    (each retires its own wgmmas every step: register A, see ``_consumer``)."""
-    acc0, acc1 = _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, x0_bufs, ready, empty, num_steps,
-                           WGR, BK, BT0, BT1, STAGES, False, 4)
-    _store(acc0, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, WGR, BT0, GATED, 4)
-    if BT1 > 0:
-        _store(acc1, out_ptr, sorted_ids_ptr, row0 + BT0, n_out, num_routes, stride_om, WGR, BT1,
-               GATED, 4)
-
-
-@gluon.jit
-def w4a16_prefill_pp_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr,
-                            ntp_ptr, N, K, num_routes, stride_xm, stride_om,
-                            TOP_K: gl.constexpr, WGR: gl.constexpr, BK: gl.constexpr,
-                            BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr,
-                            STAGES: gl.constexpr, CREGS: gl.constexpr, num_warps: gl.constexpr):
-    """Ping-pong: the default partition (``num_warps`` warps) loads, two 4-warp consumer
-    partitions each compute 64 weight rows (32 gate + 32 up with GATED) of a 128-row tile."""
-    BT: gl.constexpr = BT0 + BT1
-    OUT_W: gl.constexpr = WGR // 2 if GATED else WGR
-    pid_n = gl.program_id(0)
-    pid_b = gl.program_id(1)
-    expert = gl.load(expert_ids_ptr + pid_b)
-    if (pid_b * BT < gl.load(ntp_ptr)) & (expert >= 0):
-        w_sl: gl.constexpr = gl.SwizzledSharedLayout(4, 128 // (BK // 2) if BK < 256 else 1,
-                                                      BK // 32 if BK < 256 else 8, [1, 0])
-        s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        w0_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
-        w1_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
-        s0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
-        s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
-        x0_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT0, BK], gl.bfloat16)
-        x0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT0, BK], x0_sl)
-        if BT1 > 0:
-            x1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT1, BK], gl.bfloat16)
-            x1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT1, BK], x1_sl)
-        else:
-            x1_bufs = x0_bufs
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=32 * num_warps)
-            mbarrier.init(empty.index(i), count=2)
-        n0 = pid_n * (2 * OUT_W)
-        row0 = pid_b * BT
-        num_steps = K // BK
-        gl.warp_specialize([
-            (_pp_loader, (w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty,
-                          num_steps, x_ptr, w_ptr, s_ptr, sorted_ids_ptr, row0, expert, n0,
-                          OUT_W, N, K, num_routes, stride_xm, TOP_K, WGR, BK, BT0, BT1, GATED,
-                          STAGES, num_warps)),
-            (_pp_consumer, (w0_bufs, s0_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
-                            out_ptr, sorted_ids_ptr, row0, n0, num_routes, stride_om, WGR, BK,
-                            BT0, BT1, GATED, STAGES)),
-            (_pp_consumer, (w1_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
-                            out_ptr, sorted_ids_ptr, row0, n0 + OUT_W, num_routes, stride_om,
-                            WGR, BK, BT0, BT1, GATED, STAGES)),
-        ], [4, 4], [CREGS, CREGS])
-
-
-def prefill_pp_gemm(x, w, s, sorted_ids, expert_ids, ntp, grid_m, top_k, out, *, bk, bt0, bt1,
-                    stages, cregs=200, wgr=64, gated=False, num_routes=None):
-    """Launch the ping-pong tile (2 x ``wgr`` weight rows per program) on the shipped weights."""
-    n_w, k = w.shape[1], x.shape[1]
-    n = n_w // 2 if gated else n_w
-    out_n = wgr if gated else 2 * wgr
-    assert k % bk == 0 and n % out_n == 0 and x.stride(1) == 1
-    w4a16_prefill_pp_kernel[(n // out_n, grid_m)](
-        x, w, s, out, sorted_ids, expert_ids, ntp, n, k,
-        num_routes if num_routes is not None else out.shape[0], x.stride(0), out.stride(0),
-        TOP_K=top_k, WGR=wgr, BK=bk, BT0=bt0, BT1=bt1, GATED=gated, STAGES=stages, CREGS=cregs,
-        num_warps=4, maxnreg=_maxnreg(8, 4, 1))
-    return out
-
-
-def compile_pp_sm90(bk, bt0, bt1, stages, cregs=200, wgr=64, gated=False, top_k=8):
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = w4a16_prefill_pp_kernel
-    consts = {"TOP_K": top_k, "WGR": wgr, "BK": bk, "BT0": bt0, "BT1": bt1, "GATED": gated,
-              "STAGES": stages, "CREGS": cregs, "num_warps": 4}
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
-            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
-    sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if a not in consts}
-    src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
-                         constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "maxnreg": _maxnreg(8, 4, 1)})
-
-
 def _maxnreg(num_warps: int, lw: int, ctas: int) -> int:
     """Registers per thread at launch for ``ctas`` CTAs per SM (warpgroups of 4 warps)."""
     warps = num_warps + 4 * -(-lw // 4)
@@ -481,10 +256,9 @@ def parse_tile(text: str) -> tuple[int, ...]:
     return tuple(v + [0, 1, 56][len(v) - 7:])
 
 
-# ping-pong tiles: BK, BT0, BT1, STAGES[, CREGS (registers of each consumer warpgroup)[, WGR
-# (weight rows per consumer warpgroup)]]
-PP_TILES = [tuple(int(v) for v in (t + ",200,64"[4 * (t.count(",") - 3):]).split(","))
-            for t in os.environ.get("PREFILL_PP", "64,128,0,4 64,64,32,4").split()]
+# the shipped ping-pong tile (kernels/gluon_prefill.py): BM (96: 64 + 32 rows), BK, STAGES
+PP_TILES = [tuple(int(v) for v in t.split(","))
+            for t in os.environ.get("PREFILL_PP", "96,128,3").split()]
 PREFILL_TILES = [parse_tile(t) for t in os.environ.get(
     "PREFILL_TILES", "128,64,128,0,4,8,4 128,64,64,32,4,8,4 128,64,64,32,4,8,4,2 "
     "256,64,64,0,4,8,4 256,64,128,0,3,8,4 256,64,64,32,3,8,4 128,64,64,0,4,8,4,2").split()]
@@ -580,19 +354,17 @@ def gpu_main() -> None:
                 x, wf, sf, a[0], a[1], a[2], nb, p.top_k, out, bn=t[0], bk=t[1], bt0=t[2],
                 bt1=t[3], stages=t[4], warps=t[5], lw=t[6], a_smem=t[7], ctas=t[8], lregs=t[9]))
             outs[name] = (out, bt)
-        for bk, bt0, bt1, stages, cregs, wgr in PP_TILES:
-            bt = bt0 + bt1
-            a = moe_align_block_size(topk, bt, p.num_experts)
+        for bm, bk, stages in PP_TILES:  # the shipped ping-pong tile (kernels/gluon_prefill.py)
+            a = moe_align_block_size(topk, bm, p.num_experts)
             for gated in (False, True) if proj == "gate_up" else (False,):
                 n_out = p.n // 2 if gated else p.n
                 out = torch.zeros(rows, n_out, dtype=torch.bfloat16, device="cuda")
-                name = (f"pp {2 * wgr}x{bk} {bt0}+{bt1} s{stages} r{cregs}"
-                        + (" fused" if gated else ""))
-                fns[name] = (lambda out=out, a=a, nb=int(a[2][0]) // bt, t=(bk, bt0, bt1, stages,
-                             cregs, wgr), gated=gated: prefill_pp_gemm(
-                    x, wf, sf, a[0], a[1], a[2], nb, p.top_k, out, bk=t[0], bt0=t[1], bt1=t[2],
-                    stages=t[3], cregs=t[4], wgr=t[5], gated=gated))
-                outs[name] = (out, (bt, "silu_mul") if gated else bt)
+                name = f"pp {bm}x{bk} s{stages}" + (" fused" if gated else "")
+                fns[name] = (lambda out=out, a=a, nb=int(a[2][0]) // bm, t=(bm, bk, stages),
+                             gated=gated, n_out=n_out: moe_gemm_indexed_gluon_prefill(
+                    x, wf, sf, *a, p.top_k, out, num_routes=rows, grid_m=nb, block_m=t[0],
+                    block_n=128 if gated else 256, block_k=t[1], num_stages=t[2], gated=gated))
+                outs[name] = (out, (bm, "silu_mul") if gated else bm)
         errors = {}
         for name, fn in list(fns.items()):
             try:

@@ -1,0 +1,317 @@
+"""The 96-row W4A16 prefill tile in Gluon: warp-specialized, ping-pong warpgroups, on wgmma.
+
+``out[r, n] = sum_k x[row(r), k] * W_e[n, k]`` for the indexed routing of ``triton_w4a16``
+(``moe_align_block_size(.., 96)`` blocks), on the shipped weights (fragment-order words,
+``chordq.layout.subnormal_scales``), dequantized by the subnormal PTX of the Triton kernels,
+with ``activation="silu_mul"`` fused as there (gate and up rounded to BF16 first).
+
+Why (docs/kernel_notes.md, variant 27): ``tl.dot``'s row tiles are powers of two, so 85 rows
+per expert (EP8 T=512) pad to 128; here a block is a 64-row and a 32-row accumulator fed by
+the same dequantized registers (two wgmmas per step), 96 rows. And Triton 3.6 does not
+warp-specialize this loop; Gluon states the partitions:
+
+- the *loader* (the default partition, 4 warps, few registers) copies each 128-deep K step's
+  words, scales and gathered X rows into a 3-slot shared ring with 16-byte ``cp.async`` and
+  signals the slot's ``ready`` mbarrier (``cp.async.mbarrier.arrive.noinc``: one arrival per
+  loader thread, when its copies land);
+- two *consumer* warpgroups (worker partitions of 4 warps) each own 128 weight rows of the
+  256-row tile (with ``silu_mul``: 64 gate rows and their 64 up rows): wait on ``ready``,
+  read words and scales (``ldmatrix``), dequantize straight into wgmma's register A operand
+  (a word is one lane's A fragment for two k16 slices), issue the wgmmas with X from shared
+  memory, retire them, free the slot on its ``empty`` mbarrier (count 2), and at the end
+  store their own rows. They share nothing but the ring, so one dequantizes while the
+  other's wgmmas run (ping-pong).
+
+Each step retires its own wgmmas before the next step's dequantization: wgmma reads its
+register operand while in flight, and ptxas reuses those registers for the next step's
+values (seen on the H200: wrong results with 128 token rows and one wgmma group left in
+flight, ``scripts/kernel_lab/gluon_prefill.py``).
+
+Measured on the H200 against the shipped Triton tiles and Humming 0.1.19, same process
+(``scripts/kernel_lab/gluon_prefill.py``): EP8 T=512 gate_up 0.89 and down 0.84 of the
+Triton tiles' time, T=1024 0.90 / 0.97; it loses at 43 rows per expert (T=256). Where it runs:
+``triton_config.gluon_prefill_applies``.
+
+GPU only (no interpreter); ``gluon_w4a16.gluon_ready`` says whether it can run. Built by
+Triton 3.6 (the H200's) a step's 32 wgmmas issue as one group; Triton 3.9's build (ptxas
+C7511, "insufficient register resources") serializes them, correct but slower, not measured.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .gluon_w4a16 import _cp_async, _dequant, _operand_layouts
+
+__all__ = ["compile_sm90", "moe_gemm_indexed_gluon_prefill", "split_rows"]
+
+WGR = gl.constexpr(128)  # weight rows per consumer warpgroup
+CONSUMER_REGS = 216  # per consumer thread; the loader gets the rest of 168 x 12 warps (72)
+
+
+def split_rows(block_m: int) -> tuple[int, int]:
+    """A block's token rows as two power-of-two accumulators: 96 -> (64, 32), 128 -> (128, 0)."""
+    first = 1 << (block_m.bit_length() - 1)
+    second = block_m - first
+    if second & (second - 1) or block_m % 16:
+        raise ValueError(f"block_m must be a power of two or the sum of two, >= 16 and a "
+                         f"multiple of 16, got {block_m}")
+    return first, second
+
+
+@gluon.constexpr_function
+def _mma_layout(BT):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+
+
+@gluon.jit
+def _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K: gl.constexpr,
+            BT: gl.constexpr, BK: gl.constexpr, LW: gl.constexpr):
+    """Pointers of one step's X rows ``[BT, BK]``, 16 bytes per thread and register."""
+    tpc: gl.constexpr = min(32, BK // 8)
+    xc_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpc, tpc], [LW, 1], [1, 0])
+    xr = gl.arange(0, BT, layout=gl.SliceLayout(1, xc_l))
+    xc = gl.arange(0, BK, layout=gl.SliceLayout(0, xc_l))
+    routes = gl.load(sorted_ids_ptr + row0 + xr)
+    routes = gl.where(routes < num_routes, routes, 0)  # sentinels read row 0, not stored
+    return x_ptr + (routes // TOP_K).to(gl.int64)[:, None] * stride_xm + xc[None, :]
+
+
+@gluon.jit
+def _wg_ptrs(w_ptr, s_ptr, expert, n_g, N, K, BK: gl.constexpr, GATED: gl.constexpr,
+             LW: gl.constexpr):
+    """Word and scale pointers of one consumer warpgroup's WGR weight rows: rows ``n_g..``
+    (GATED: WGR/2 gate rows ``n_g..`` and their up rows ``N + n_g..``)."""
+    W: gl.constexpr = BK // 8
+    G: gl.constexpr = BK // 32
+    wtc: gl.constexpr = min(32, W // 4)
+    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // wtc, wtc], [LW, 1], [1, 0])
+    sc_l: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [LW, 1], [1, 0])
+    n_w = 2 * N if GATED else N
+    base = expert.to(gl.int64) * n_w
+    wr = gl.arange(0, WGR, layout=gl.SliceLayout(1, wc_l))
+    sr = gl.arange(0, WGR, layout=gl.SliceLayout(1, sc_l))
+    if GATED:
+        wr = gl.where(wr < WGR // 2, n_g + wr, N + n_g + wr - WGR // 2)
+        sr = gl.where(sr < WGR // 2, n_g + sr, N + n_g + sr - WGR // 2)
+    else:
+        wr = n_g + wr
+        sr = n_g + sr
+    w_ptrs = (w_ptr + (base + wr)[:, None] * ((K // BK) * W)
+              + gl.arange(0, W, layout=gl.SliceLayout(0, wc_l))[None, :])
+    s_ptrs = (s_ptr + (base + sr)[:, None] * ((K // BK) * G)
+              + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))[None, :])
+    return w_ptrs, s_ptrs
+
+
+@gluon.jit
+def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
+            x_ptr, w_ptr, s_ptr, sorted_ids_ptr, row0, expert, n0, OUT_W, N, K, num_routes,
+            stride_xm, TOP_K: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
+            BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
+            num_warps: gl.constexpr):
+    w0_ptrs, s0_ptrs = _wg_ptrs(w_ptr, s_ptr, expert, n0, N, K, BK, GATED, num_warps)
+    w1_ptrs, s1_ptrs = _wg_ptrs(w_ptr, s_ptr, expert, n0 + OUT_W, N, K, BK, GATED, num_warps)
+    x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0, BK,
+                      num_warps)
+    if BT1 > 0:
+        x1_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0 + BT0, num_routes, stride_xm, TOP_K, BT1,
+                          BK, num_warps)
+    for i in range(num_steps):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # both warpgroups are done
+        _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)
+        if BT1 > 0:
+            _cp_async(x1_bufs.index(slot), x1_ptrs + i * BK)
+        _cp_async(w0_bufs.index(slot), w0_ptrs + i * (BK // 8))
+        _cp_async(s0_bufs.index(slot), s0_ptrs + i * (BK // 32))
+        _cp_async(w1_bufs.index(slot), w1_ptrs + i * (BK // 8))
+        _cp_async(s1_bufs.index(slot), s1_ptrs + i * (BK // 32))
+        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, BK: gl.constexpr,
+               BT0: gl.constexpr, BT1: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup's K loop: ``[WGR, BT0]`` and ``[WGR, BT1]`` accumulators."""
+    w_l: gl.constexpr = _operand_layouts(WGR, BK, 4)[0]
+    s3_l: gl.constexpr = _operand_layouts(WGR, BK, 4)[1]
+    mma0: gl.constexpr = _mma_layout(BT0)
+    a0_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma0, k_width=2)
+    acc0 = gl.zeros([WGR, BT0], gl.float32, mma0)
+    if BT1 > 0:
+        mma1: gl.constexpr = _mma_layout(BT1)
+        a1_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma1, k_width=2)
+        acc1 = gl.zeros([WGR, BT1], gl.float32, mma1)
+    gl.assume(num_steps > 0)  # no zero-trip path: ptxas keeps the wgmmas of a step together
+    for i in range(num_steps):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        w = w_bufs.index(slot).load(w_l)
+        s = s_bufs.index(slot).load(gl.SliceLayout(2, s3_l))
+        a = _dequant(w, s, s3_l, WGR, BK)
+        fence_async_shared()  # X arrived by cp.async (generic proxy); wgmma reads it (async)
+        a0 = gl.convert_layout(a, a0_l, assert_trivial=True)
+        acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
+        if BT1 > 0:
+            a1 = gl.convert_layout(a, a1_l, assert_trivial=True)
+            acc1 = warpgroup_mma(a1, x1_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
+            acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+        else:
+            acc0 = warpgroup_mma_wait(0, deps=[acc0])
+        mbarrier.arrive(empty.index(slot))
+    if BT1 > 0:
+        return acc0, acc1
+    else:
+        return acc0, acc0
+
+
+@gluon.jit
+def _store(acc, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, BN: gl.constexpr,
+           BT: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
+    """``out[route, n_out + n] = acc[n, r]`` for ``acc [BN, BT]`` (SiLU(gate) * up with GATED:
+    rows ``[0, BN/2)`` gate, ``[BN/2, BN)`` the matching up rows), 16-byte stores."""
+    OUT_N: gl.constexpr = BN // 2 if GATED else BN
+    tn: gl.constexpr = min(32, OUT_N // 8)
+    if GATED:
+        e3: gl.constexpr = gl.BlockedLayout([2, 8, 1], [1, tn, 32 // tn], [1, 1, num_warps],
+                                            [0, 1, 2])
+        g = gl.convert_layout(gl.reshape(acc, [2, OUT_N, BT]), e3)
+        gate, up = gl.split(gl.permute(g, [1, 2, 0]))
+        gate = gate.to(gl.bfloat16).to(gl.float32)
+        up = up.to(gl.bfloat16).to(gl.float32)
+        res = gate / (1.0 + gl.exp(-gate)) * up
+    else:
+        e2: gl.constexpr = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, num_warps], [0, 1])
+        res = gl.convert_layout(acc, e2)
+    o_l: gl.constexpr = res.type.layout
+    orow = gl.arange(0, OUT_N, layout=gl.SliceLayout(1, o_l))
+    ocol = gl.arange(0, BT, layout=gl.SliceLayout(0, o_l))
+    oroutes = gl.load(sorted_ids_ptr + row0 + ocol)
+    o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n_out + orow)[:, None]
+    gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :])
+
+
+@gluon.jit
+def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, out_ptr,
+              sorted_ids_ptr, row0, n_out, num_routes, stride_om, BK: gl.constexpr,
+              BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr):
+    acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, BK, BT0,
+                            BT1, STAGES)
+    _store(acc0, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, WGR, BT0, GATED, 4)
+    if BT1 > 0:
+        _store(acc1, out_ptr, sorted_ids_ptr, row0 + BT0, n_out, num_routes, stride_om, WGR, BT1,
+               GATED, 4)
+
+
+@gluon.jit
+def _w4a16_prefill_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
+                          N, K, num_routes, stride_xm, stride_om,
+                          TOP_K: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
+                          BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
+                          CREGS: gl.constexpr, num_warps: gl.constexpr):
+    """One (``BT0 + BT1``-row block, 256-weight-row tile) over all of K."""
+    BT: gl.constexpr = BT0 + BT1
+    OUT_W: gl.constexpr = WGR // 2 if GATED else WGR  # output columns per warpgroup
+    pid_n = gl.program_id(0)
+    pid_b = gl.program_id(1)
+    expert = gl.load(expert_ids_ptr + pid_b)
+    if (pid_b * BT < gl.load(ntp_ptr)) & (expert >= 0):
+        # ldmatrix-friendly: rows of BK/8 words, 16-byte vectors swizzled over 128 bytes
+        w_sl: gl.constexpr = gl.SwizzledSharedLayout(4, max(1, 256 // BK), min(8, BK // 32),
+                                                      [1, 0])
+        s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        w0_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
+        w1_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
+        s0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
+        s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
+        x0_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT0, BK], gl.bfloat16)
+        x0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT0, BK], x0_sl)
+        if BT1 > 0:
+            x1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT1, BK], gl.bfloat16)
+            x1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT1, BK], x1_sl)
+        else:
+            x1_bufs = x0_bufs
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=32 * num_warps)
+            mbarrier.init(empty.index(i), count=2)
+        n0 = pid_n * (2 * OUT_W)
+        row0 = pid_b * BT
+        num_steps = K // BK
+        gl.warp_specialize([
+            (_loader, (w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty,
+                       num_steps, x_ptr, w_ptr, s_ptr, sorted_ids_ptr, row0, expert, n0, OUT_W,
+                       N, K, num_routes, stride_xm, TOP_K, BK, BT0, BT1, GATED, STAGES,
+                       num_warps)),
+            (_consumer, (w0_bufs, s0_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, out_ptr,
+                         sorted_ids_ptr, row0, n0, num_routes, stride_om, BK, BT0, BT1, GATED,
+                         STAGES)),
+            (_consumer, (w1_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, out_ptr,
+                         sorted_ids_ptr, row0, n0 + OUT_W, num_routes, stride_om, BK, BT0, BT1,
+                         GATED, STAGES)),
+        ], [4, 4], [CREGS, CREGS])
+
+
+_MAXNREG = 168  # 12 warps (loader + two consumer warpgroups), one CTA per SM: 65536 / 384
+
+
+def _launch_options(block_m: int, block_k: int, num_stages: int, gated: bool) -> dict:
+    bt0, bt1 = split_rows(block_m)
+    return {"TOP_K": None, "BK": block_k, "BT0": bt0, "BT1": bt1, "GATED": gated,
+            "STAGES": num_stages, "CREGS": CONSUMER_REGS, "num_warps": 4}
+
+
+def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, expert_ids,
+                                   num_tokens_post_padded, top_k, out, *, num_routes, grid_m,
+                                   block_m, block_n, block_k, num_stages, gated):
+    """Launch the prefill tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
+    (subnormal weights, ``block_m``-row alignment) and calls this for its configs
+    (``triton_config.GLUON_PREFILL_TILE``). ``block_n``: output columns per program."""
+    n_w, k = w_packed.shape[1], x.shape[1]
+    n = n_w // 2 if gated else n_w
+    if block_n != (WGR.value if gated else 2 * WGR.value):
+        raise ValueError(f"the Gluon prefill tile computes {2 * WGR.value} weight rows: "
+                         f"block_n {WGR.value if gated else 2 * WGR.value}, got {block_n}")
+    if k % block_k or n % block_n:
+        raise ValueError(f"the Gluon prefill tile needs K % {block_k} == 0 and N % {block_n} "
+                         f"== 0, got K={k}, N={n}")
+    if x.stride(1) != 1 or x.stride(0) % 8:
+        raise ValueError("the Gluon prefill tile needs X rows contiguous and 16-byte aligned")
+    opts = _launch_options(block_m, block_k, num_stages, gated)
+    opts["TOP_K"] = top_k
+    _w4a16_prefill_kernel[(n // block_n, grid_m)](
+        x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
+        num_routes, x.stride(0), out.stride(0), maxnreg=_MAXNREG, **opts)
+    return out
+
+
+def compile_sm90(block_m: int = 96, block_k: int = 128, num_stages: int = 3,
+                 gated: bool = False, top_k: int = 8):
+    """Build the tile for sm_90 without a GPU (Triton's compiler and ptxas on the CPU): the
+    compiled kernel, whose ``asm`` holds the PTX and cubin (tests, kernel lab)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = _w4a16_prefill_kernel
+    consts = _launch_options(block_m, block_k, num_stages, gated)
+    consts["TOP_K"] = top_k
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
+            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
+    sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if a not in consts}
+    src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
+                         constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": _MAXNREG})

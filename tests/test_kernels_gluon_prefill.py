@@ -1,0 +1,183 @@
+"""The Gluon 96-row prefill tile (chordq.kernels.gluon_prefill): its config and heuristic, its
+sm_90 build (compiled on the CPU: warp-specialized, wgmma with 64- and 32-row accumulators,
+cp.async into an mbarrier ring, no spills, no serialized wgmmas), and on an sm_90 GPU its
+results against the PyTorch reference (``gpu``-marked)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from chordq.kernels import moe_align_block_size, moe_gemm_indexed_reference
+from chordq.kernels.reference import cos_diff
+from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, W4A16Config, choose_config,
+                                          choose_row_tiles, gluon_prefill_applies)
+from chordq.layout import fragment_order, pack_codes, subnormal_scales
+
+from test_kernels_gluon import MAX_COS_DIFF, _problem, _sass, needs_sm90
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_prefill_tile_config_and_label():
+    assert GLUON_PREFILL_TILE.label == "96,256,128,4,3,Z,G"
+    assert choose_config(85.3, 4096, 7168, block_m=96, w_order="subnormal") == GLUON_PREFILL_TILE
+    fused = choose_config(85.3, 2048, 7168, block_m=96, gated=True, w_order="subnormal")
+    assert fused.block_n == 128  # output columns per half: still 256 weight rows
+    for bad in ((96, 512, 128, 4, 3, "subnormal"), (96, 256, 128, 4, 3, "fragments"),
+                (96, 256, 128, 8, 3, "subnormal"), (64, 256, 128, 4, 3, "subnormal")):
+        with pytest.raises(ValueError, match="96-row prefill tile"):
+            W4A16Config(*bad[:5], k_order=bad[5], backend="gluon")
+    with pytest.raises(ValueError, match="block_m"):
+        W4A16Config(96, 256, 128, 4, 3, k_order="subnormal")  # not a Triton tile
+    with pytest.raises(ValueError, match="sm_90"):
+        choose_config(85.3, 4096, 7168, block_m=96, w_order="subnormal", interpret=True)
+
+
+def test_split_rows():
+    pytest.importorskip("triton.experimental.gluon")
+    from chordq.kernels.gluon_prefill import split_rows
+
+    assert split_rows(96) == (64, 32)
+    assert split_rows(48) == (32, 16)
+    assert split_rows(128) == (128, 0)
+    for bad in (100, 112, 8):  # not a multiple of 16; three powers of two; too small
+        with pytest.raises(ValueError):
+            split_rows(bad)
+
+
+@pytest.mark.parametrize("row, rows_per_expert, n, k, gated, down, want", [
+    ("EP8 gate_up T=512", 85.3, 4096, 7168, False, None, (96,)),
+    ("EP8 down T=512", 85.3, 7168, 2048, False, None, (96,)),
+    ("EP8 gate_up T=1024", 170.7, 4096, 7168, False, None, (96,)),
+    ("fused EP8 T=512", 85.3, 2048, 7168, True, (7168, 2048), (96,)),
+    ("EP8 T=256: 43 rows, lost", 42.7, 4096, 7168, False, None, (64,)),
+    ("110 rows: two blocks of 96 for one of 128", 110.0, 4096, 7168, False, None, (128,)),
+    ("EP8 T=2048: 341 rows", 341.3, 4096, 7168, False, None, (128,)),
+    ("TP8 gate_up T=8192: N=512 not measured", 170.7, 512, 7168, False, None, (128, 64, 32)),
+    ("fused TP8 T=8192: down K=256", 170.7, 256, 7168, True, (7168, 256), (128, 64, 32)),
+])
+def test_choose_row_tiles_takes_the_prefill_tile_where_it_won(row, rows_per_expert, n, k, gated,
+                                                              down, want):
+    assert choose_row_tiles(rows_per_expert, n, k, gluon_experts=48, gated=gated,
+                            down=down) == want
+    # without an sm_90 GPU (gluon_experts=0) or under the interpreter: the Triton tiles
+    assert choose_row_tiles(rows_per_expert, n, k, gated=gated) != (96,)
+    assert choose_row_tiles(rows_per_expert, n, k, interpret=True, gluon_experts=48) != (96,)
+
+
+def test_gluon_prefill_applies_needs_whole_tiles_and_deep_k():
+    assert gluon_prefill_applies(85.3, 4096, 7168)
+    assert not gluon_prefill_applies(85.3, 4096 + 128, 7168)  # half a 256-row tile
+    assert gluon_prefill_applies(85.3, 2048 + 128, 7168, gated=True)  # 128 per half
+    assert not gluon_prefill_applies(85.3, 4096, 1024)  # K < 2048
+    assert not gluon_prefill_applies(85.3, 4096, 7168 + 64)  # not whole 128-deep steps
+
+
+# ----------------------------------------------------------------------------- sm_90 build
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "silu_mul"])
+def test_sm90_build_is_warp_specialized_wgmma_without_spills(gated):
+    """What the tile is, checked in its SASS: register reallocation between the loader and
+    the consumer warpgroups (``setmaxnreg``), wgmmas with 64- and 32-row accumulators on
+    register A (``HGMMA.64x64x16``, ``HGMMA.64x32x16``), cp.async copies signalling mbarriers,
+    ldmatrix reads, and no local-memory spills. (Whether ptxas keeps a step's 32 wgmmas in one
+    group depends on the Triton: 3.6, on the H200, does; 3.9's build serializes them, C7511.)"""
+    pytest.importorskip("triton.experimental.gluon")
+    from chordq.kernels import gluon_prefill
+
+    kernel = gluon_prefill.compile_sm90(gated=gated)
+    sass = _sass(kernel)
+    assert "USETMAXREG" in sass
+    shapes = set(re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+", sass))
+    assert shapes == {"64", "32"}
+    assert "LDGSTS" in sass and "ARRIVES.LDGSTSBAR" in sass and "SYNCS" in sass
+    assert "LDSM" in sass
+    assert "STL" not in sass and "LDL" not in sass
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@pytest.mark.parametrize("e, n, k, m, top_k, local", [
+    (4, 512, 2048, 100, 2, None),  # 16 K steps; 50 rows per expert: one partial 96-row block
+    (3, 256, 384, 150, 2, None),  # 3 K steps (one full ring turn); 2 blocks, second partial
+    (4, 512, 1024, 60, 4, 3),  # expert_map: a remote expert (id -1), its rows untouched
+], ids=["16-steps", "3-steps", "remote"])
+@needs_sm90
+def test_prefill_tile_matches_the_reference(e, n, k, m, top_k, local, activation):
+    from chordq.kernels import moe_gemm_indexed_triton
+
+    w, s, x, topk = _problem(e, n, k, m, top_k)
+    expert_map = None
+    if local is not None:
+        expert_map = torch.full((e,), -1, dtype=torch.int32)
+        expert_map[:local] = torch.arange(local, dtype=torch.int32)
+        expert_map = expert_map.cuda()
+    aligned = moe_align_block_size(topk, 96, e, expert_map)
+    rows = m * top_k
+    n_out = n // 2 if activation else n
+    if local is not None:
+        w, s = w[:local], s[:local]
+    want = moe_gemm_indexed_reference(x, w, s, *aligned, top_k, 96, activation=activation)
+    out = torch.full((rows, n_out), 7.0, dtype=torch.bfloat16, device="cuda")
+    cfg = choose_config(rows / e, n_out, k, block_m=96, gated=activation is not None,
+                        w_order="subnormal")
+    got = moe_gemm_indexed_triton(x, fragment_order(w), subnormal_scales(s), *aligned, top_k, 96,
+                                  activation=activation, out=out, config=cfg,
+                                  w_order="subnormal")
+    owned = (aligned[0][: int(aligned[2])] < rows) & (
+        aligned[1][: int(aligned[2]) // 96].repeat_interleave(96) >= 0)
+    owned_rows = aligned[0][: int(aligned[2])][owned].long()
+    mask = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    mask[owned_rows] = True
+    assert cos_diff(got[mask], want[mask]) < MAX_COS_DIFF
+    assert bool((got[~mask] == 7.0).all())  # rows the tile does not own are left as they were
+
+
+@needs_sm90
+def test_fused_moe_prefill_takes_the_prefill_tile():
+    from chordq.kernels import fused_moe, fused_moe_reference, prepare_weights, route
+    from chordq.kernels.triton_w4a16 import row_tiles
+
+    e, h, i, m = 8, 2048, 2048, 85  # 85 rows per expert, as EP8 T=512
+    g = torch.Generator().manual_seed(5)
+    w13 = pack_codes(torch.randint(0, 16, (e, 2 * i, h), generator=g)).cuda()
+    s13 = (0.02 * torch.exp2(torch.randn(e, 2 * i, h // 32, generator=g))).bfloat16().cuda()
+    w2 = pack_codes(torch.randint(0, 16, (e, h, i), generator=g)).cuda()
+    s2 = (0.02 * torch.exp2(torch.randn(e, h, i // 32, generator=g))).bfloat16().cuda()
+    x = torch.randn(m, h, generator=g).bfloat16().cuda()
+    logits = torch.randn(m, e, generator=g).cuda()
+    topk_w, topk_ids = route(logits, torch.zeros(e, device="cuda"), 8, 2.5)
+    assert row_tiles(m * 8 / e, i, h, e, x.device, "subnormal", gated=True,
+                     down=(h, i)) == (96,)
+    want = fused_moe_reference(x, w13, s13, w2, s2, topk_w, topk_ids)
+    *weights, w_order = prepare_weights(w13, s13, w2, s2)
+    got = fused_moe(x, *weights, topk_w, topk_ids, w_order=w_order)
+    assert cos_diff(got, want) < MAX_COS_DIFF
+
+
+@needs_sm90
+def test_prefill_tile_is_cuda_graph_capturable():
+    from chordq.kernels import moe_gemm_indexed_triton
+
+    w, s, x, topk = _problem(4, 512, 2048, 100, 2)
+    aligned = moe_align_block_size(topk, 96, 4)
+    wf, sf = fragment_order(w), subnormal_scales(s)
+    cfg = choose_config(50, 512, 2048, block_m=96, w_order="subnormal")
+
+    def run():
+        return moe_gemm_indexed_triton(x, wf, sf, *aligned, 2, 96, config=cfg,
+                                       w_order="subnormal")
+
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
