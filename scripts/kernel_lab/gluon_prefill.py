@@ -1,30 +1,29 @@
-"""Variant 27 (lab): a warp-specialized W4A16 prefill tile in Gluon, on wgmma.
+"""Variant 27 (lab): warp-specialized W4A16 prefill tiles in Gluon, on wgmma.
 
-Why (docs/kernel_notes.md, items 1 and 2): the prefill rows left over 1.15 are padding
-(``tl.dot``'s power-of-two row tiles) and per-row throughput at 32-64 rows per block, where
-Humming runs a warp-specialized pipeline and Triton 3.6's ``warp_specialize`` fails on the
-Triton loop. Gluon states both directly:
+Why (docs/kernel_notes.md, items 1 and 2): the prefill rows left over 1.15 were padding
+(``tl.dot``'s power-of-two row tiles) and per-row throughput where Humming runs a
+warp-specialized pipeline and Triton 3.6's ``warp_specialize`` fails on the Triton loop.
 
-- a *loader* partition (``LW`` warps, few registers) copies each K step's words, scales and
-  gathered X rows into a ``STAGES``-deep shared ring with 16-byte ``cp.async``, and signals a
-  per-slot ``ready`` mbarrier (``cp.async.mbarrier.arrive.noinc``, one arrival per loader
-  thread);
-- the *consumer* partition (``num_warps`` warps, one or two warpgroups) waits on ``ready``,
-  reads the words and scales (``ldmatrix``), dequantizes them with the shipped subnormal PTX
-  straight into wgmma's register A operand (the same fragment order as the Triton and
-  mma.sync tiles: a word is one lane's A fragment for two k16 slices), issues
-  ``wgmma.mma_async`` with X from shared memory, keeps one step in flight, and frees the
-  slot of the previous step on its ``empty`` mbarrier.
-- Token rows: ``BT0`` (+ ``BT1``): a 96-row block is a 64-row and a 32-row accumulator fed by
-  the same dequantized A registers (two wgmmas per k16 slice), so 85 rows per expert (EP8
-  T=512) pay 11 padding rows, not 43.
+Two forms, both with a loader partition that copies words, scales and gathered X rows by
+16-byte ``cp.async`` into a shared ring and signals per-slot ``ready`` mbarriers, consumers that
+dequantize into wgmma's register A, and 96-row blocks as a 64-row and a 32-row accumulator:
 
-GPU only (no interpreter); the CPU compiles it for sm_90 (Triton 3.6 on PYTHONPATH):
-``python scripts/kernel_lab/gluon_prefill.py --sass`` prints loop length, registers and
-spills for the tiles in ``PREFILL_TILES``. On the GPU: ``OUT=/tmp/lab [GLUON_HUMMING=.whl]
-[PREFILL_T="256 512"] [PREFILL_TILES="BN,BK,BT0,BT1,STAGES,WARPS,LW ..."] python
-scripts/kernel_lab/gluon_prefill.py`` checks every tile against the reference (cos_diff) and
-times it against the shipped Triton tiles (and Humming), interleaved CUDA graphs.
+- *lockstep* (here: ``w4a16_prefill_kernel``, tiles ``PREFILL_TILES``): one consumer
+  partition of one or two warpgroups, A in registers (each step retires its own wgmmas: with
+  one group left in flight ptxas hands its A registers to the next step, wrong results) or
+  through a 2-slot shared ring (``A_SMEM``). 1.24-2.8x the Triton tiles' time: lost.
+- *ping-pong* (shipped: ``chordq.kernels.gluon_prefill``, tiles ``PREFILL_PP``): the loader as
+  the default partition, two consumer warpgroups as separate partitions with their own rows
+  and stores. 0.79-0.94 of the Triton tiles' time at EP8 T=512-1024.
+
+GPU only (no interpreter); the CPU compiles the lockstep tiles for sm_90 (Triton 3.6 on
+PYTHONPATH): ``python scripts/kernel_lab/gluon_prefill.py --sass`` prints loop lengths,
+registers and spills. On the GPU: ``OUT=/tmp/lab [GLUON_HUMMING=.whl] [PREFILL_T="256 512"]
+[PREFILL_TILES="BN,BK,BT0,BT1,STAGES,WARPS,LW[,A_SMEM[,CTAS[,LREGS]]] ..."]
+[PREFILL_PP="BM,BK,STAGES ..."] python scripts/kernel_lab/gluon_prefill.py`` checks every tile
+against the reference (cos_diff; fused SiLU-and-mul too for the ping-pong tile) and times it
+against the shipped Triton tiles (and Humming), interleaved CUDA graphs. ``--profile PROJ T
+TILE`` runs one lockstep tile and the Triton tiles for ``ncu_prefill.sh`` / ``ncu_source.sh``.
 """
 
 from __future__ import annotations
