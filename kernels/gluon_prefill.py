@@ -266,9 +266,10 @@ def _w4a16_prefill_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_i
 _MAXNREG = 168  # 12 warps (loader + two consumer warpgroups), one CTA per SM: 65536 / 384
 
 
-def _launch_options(block_m: int, block_k: int, num_stages: int, gated: bool) -> dict:
+def _launch_options(top_k: int, block_m: int, block_k: int, num_stages: int,
+                    gated: bool) -> dict:
     bt0, bt1 = split_rows(block_m)
-    return {"TOP_K": None, "BK": block_k, "BT0": bt0, "BT1": bt1, "GATED": gated,
+    return {"TOP_K": top_k, "BK": block_k, "BT0": bt0, "BT1": bt1, "GATED": gated,
             "STAGES": num_stages, "CREGS": CONSUMER_REGS, "num_warps": 4}
 
 
@@ -288,8 +289,9 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
                          f"== 0, got K={k}, N={n}")
     if x.stride(1) != 1 or x.stride(0) % 8:
         raise ValueError("the Gluon prefill tile needs X rows contiguous and 16-byte aligned")
-    opts = _launch_options(block_m, block_k, num_stages, gated)
-    opts["TOP_K"] = top_k
+    if grid_m > 65535:  # the grid's second dimension
+        raise ValueError(f"{grid_m} row blocks: the Gluon prefill tile takes at most 65535")
+    opts = _launch_options(top_k, block_m, block_k, num_stages, gated)
     _w4a16_prefill_kernel[(n // block_n, grid_m)](
         x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
         num_routes, x.stride(0), out.stride(0), maxnreg=_MAXNREG, **opts)
@@ -304,8 +306,7 @@ def compile_sm90(block_m: int = 96, block_k: int = 128, num_stages: int = 3,
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = _w4a16_prefill_kernel
-    consts = _launch_options(block_m, block_k, num_stages, gated)
-    consts["TOP_K"] = top_k
+    consts = _launch_options(top_k, block_m, block_k, num_stages, gated)
     ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
             "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
     sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}

@@ -54,16 +54,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import triton_config
-from .triton_config import (
-    GROUP_SIZE,
-    K_ORDER_OF,
-    K_ORDERS,
-    W_ORDERS,
-    W4A16Config,
-    choose_config,
-    choose_n_tiles,
-    choose_split_k,
-)
+from .triton_config import (GROUP_SIZE, K_ORDER_OF, K_ORDERS, W_ORDERS, W4A16Config,
+                            choose_config, choose_n_tiles, choose_split_k)
 
 __all__ = [
     "indexed_config",
@@ -862,6 +854,7 @@ def row_tiles(rows_per_expert: float, n: int, k: int, num_experts: int, device: 
     experts = 0
     if device.type == "cuda" and w_order == "subnormal" and not _INTERPRETED:
         try:  # Gluon is experimental: a Triton without it (or with other names) keeps Triton's
+            from . import gluon_prefill  # noqa: F401  (the prefill tile's names too)
             from .gluon_w4a16 import gluon_ready
         except (ImportError, AttributeError):
             gluon_ready = None
