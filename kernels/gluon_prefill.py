@@ -70,7 +70,8 @@ def split_rows(block_m: int) -> tuple[int, int]:
 
 @gluon.constexpr_function
 def _mma_layout(BT):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 16])
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, BT, 16])
 
 
 @gluon.jit

@@ -137,8 +137,10 @@ def _loader(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, x_ptr, w_
         wr = n0 + wr
         sr = n0 + sr
     base = expert.to(gl.int64) * n_w
-    w_ptrs = w_ptr + (base + wr)[:, None] * k8 + gl.arange(0, W, layout=gl.SliceLayout(0, wc_l))[None, :]
-    s_ptrs = s_ptr + (base + sr)[:, None] * ks + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))[None, :]
+    w_ptrs = (w_ptr + (base + wr)[:, None] * k8
+              + gl.arange(0, W, layout=gl.SliceLayout(0, wc_l))[None, :])
+    s_ptrs = (s_ptr + (base + sr)[:, None] * ks
+              + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))[None, :])
     x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0, BK, LW)
     if BT1 > 0:
         x1_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0 + BT0, num_routes, stride_xm, TOP_K, BT1,
