@@ -39,7 +39,6 @@ C7511, "insufficient register resources") serializes them, correct but slower, n
 
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -50,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_w4a16 import _cp_async, _dequant, _operand_layouts
+from .gluon_w4a16 import _cp_async, _dequant, _operand_layouts, compile_kernel_sm90
 
 __all__ = ["compile_sm90", "moe_gemm_indexed_gluon_prefill", "split_rows"]
 
@@ -301,19 +300,7 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
 
 def compile_sm90(block_m: int = 96, block_k: int = 128, num_stages: int = 3,
                  gated: bool = False, top_k: int = 8):
-    """Build the tile for sm_90 without a GPU (Triton's compiler and ptxas on the CPU): the
-    compiled kernel, whose ``asm`` holds the PTX and cubin (tests, kernel lab)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = _w4a16_prefill_kernel
-    consts = _launch_options(top_k, block_m, block_k, num_stages, gated)
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
-            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
-    sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if a not in consts}
-    src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
-                         constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "maxnreg": _MAXNREG})
+    """The tile built for sm_90 on the CPU (``gluon_w4a16.compile_kernel_sm90``: tests, lab)."""
+    return compile_kernel_sm90(_w4a16_prefill_kernel,
+                               _launch_options(top_k, block_m, block_k, num_stages, gated),
+                               maxnreg=_MAXNREG)

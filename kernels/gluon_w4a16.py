@@ -36,7 +36,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .triton_w4a16 import _DEQUANT_SUBNORMAL_ASM
 
-__all__ = ["GLUON_BLOCK_K", "compile_sm90", "gluon_ready", "moe_gemm_indexed_gluon"]
+__all__ = ["GLUON_BLOCK_K", "compile_kernel_sm90", "compile_sm90", "gluon_ready",
+           "moe_gemm_indexed_gluon"]
 
 GLUON_BLOCK_K = 256  # K per step: 8 scale groups, 32 words per weight row
 BK = gl.constexpr(GLUON_BLOCK_K)
@@ -224,23 +225,31 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
     return out
 
 
-def compile_sm90(block_n: int = 128, num_warps: int = 4, num_stages: int = 2, gated: bool = False,
-                 top_k: int = 8):
-    """Build the tile for sm_90 without a GPU (Triton's compiler and ptxas run on the CPU):
-    the compiled kernel, whose ``asm`` holds the PTX and cubin (tests, kernel lab)."""
+# pointer arguments of the indexed kernels (the rest, but constexprs, are i32 scalars)
+_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
+             "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
+
+
+def compile_kernel_sm90(fn, consts: dict, **options):
+    """Build a Gluon indexed kernel for sm_90 without a GPU (Triton's compiler and ptxas run on
+    the CPU): ``consts`` its constexprs (``num_warps`` among them), ``options`` the compile
+    options beyond ``num_warps``. The compiled kernel's ``asm`` holds the PTX and cubin."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = _w4a16_decode_kernel
-    consts = {"TOP_K": top_k, "BN": block_n, "GATED": gated, "STAGES": num_stages,
-              "num_warps": num_warps}
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
-            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
-    sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
+    sig = {a: "constexpr" if a in consts else _POINTERS.get(a, "i32") for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if a not in consts}
     src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
                          constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps})
+                          options={"num_warps": consts["num_warps"], **options})
+
+
+def compile_sm90(block_n: int = 128, num_warps: int = 4, num_stages: int = 2, gated: bool = False,
+                 top_k: int = 8):
+    """The decode tile built for sm_90 on the CPU (``compile_kernel_sm90``: tests, kernel lab)."""
+    return compile_kernel_sm90(_w4a16_decode_kernel, {
+        "TOP_K": top_k, "BN": block_n, "GATED": gated, "STAGES": num_stages,
+        "num_warps": num_warps})

@@ -36,7 +36,6 @@ import os
 import sys
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -211,21 +210,10 @@ def decode_gemm(x, w_lab, s_sub, sorted_ids, expert_ids, num_blocks, top_k, out,
 def compile_sm90(bn=64, bt=8, warps=4, prefetch=False, frag=False, stages=0):
     """Compile for sm_90 with no GPU (the CPU check): returns the compiled kernel
     (``stages`` > 0: the shipped kernel, ``gluon_w4a16.compile_sm90``)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     if stages:
         return G.compile_sm90(bn, warps, stages)
-    fn = w4a16_decode8_kernel
-    consts = {"TOP_K": 8, "BN": bn, "BT": bt, "PREFETCH": prefetch, "FRAG": frag,
-              "num_warps": warps}
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
-            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"}
-    sig = {a: ("constexpr" if a in consts else ptrs.get(a, "i32")) for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a not in consts}
-    src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
-                         constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return G.compile_kernel_sm90(w4a16_decode8_kernel, {
+        "TOP_K": 8, "BN": bn, "BT": bt, "PREFETCH": prefetch, "FRAG": frag, "num_warps": warps})
 
 
 def sass_summary(kern) -> str:

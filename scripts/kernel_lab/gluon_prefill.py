@@ -33,7 +33,6 @@ import os
 import sys
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -45,7 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from chordq.kernels.gluon_prefill import _store, _x_ptrs, moe_gemm_indexed_gluon_prefill
-from chordq.kernels.gluon_w4a16 import _cp_async, _dequant, _operand_layouts
+from chordq.kernels.gluon_w4a16 import (_cp_async, _dequant, _operand_layouts,
+                                        compile_kernel_sm90)
 
 
 @gluon.constexpr_function
@@ -232,22 +232,10 @@ def prefill_gemm(x, w, s, sorted_ids, expert_ids, ntp, grid_m, top_k, out, *, bn
 
 def compile_sm90(bn, bk, bt0, bt1, stages, warps, lw, a_smem=0, ctas=1, lregs=56, gated=False,
                  top_k=8):
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = w4a16_prefill_kernel
-    consts = {"TOP_K": top_k, "BN": bn, "BK": bk, "BT0": bt0, "BT1": bt1, "GATED": gated,
-              "STAGES": stages, "LW": lw, "LREGS": lregs, "A_SMEM": bool(a_smem),
-              "num_warps": warps}
-    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16",
-            "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
-    sig = {a: "constexpr" if a in consts else ptrs.get(a, "i32") for a in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if a not in consts}
-    src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,
-                         constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "maxnreg": _maxnreg(warps, lw, ctas)})
+    return compile_kernel_sm90(w4a16_prefill_kernel, {
+        "TOP_K": top_k, "BN": bn, "BK": bk, "BT0": bt0, "BT1": bt1, "GATED": gated,
+        "STAGES": stages, "LW": lw, "LREGS": lregs, "A_SMEM": bool(a_smem), "num_warps": warps},
+        maxnreg=_maxnreg(warps, lw, ctas))
 
 
 def parse_tile(text: str) -> tuple[int, ...]:
