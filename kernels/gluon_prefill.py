@@ -68,9 +68,41 @@ def split_rows(block_m: int) -> tuple[int, int]:
 
 
 @gluon.constexpr_function
-def _mma_layout(BT):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+def _mma_layout(BT, num_warps):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                      instr_shape=[16, BT, 16])
+
+
+@gluon.constexpr_function
+def _words_smem_layout(BK):
+    """ldmatrix-friendly: rows of BK/8 words, 16-byte vectors swizzled over 128 bytes."""
+    return gl.SwizzledSharedLayout(4, max(1, 256 // BK), min(8, BK // 32), [1, 0])
+
+
+@gluon.jit
+def _x_ring(STAGES: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr, BK: gl.constexpr):
+    """The X slots of the ring: ``[STAGES, BT0, BK]`` (and ``[STAGES, BT1, BK]``), as wgmma
+    reads them."""
+    x0_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT0, BK], gl.bfloat16)
+    x0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT0, BK], x0_sl)
+    if BT1 > 0:
+        x1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT1, BK], gl.bfloat16)
+        x1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT1, BK], x1_sl)
+    else:
+        x1_bufs = x0_bufs
+    return x0_bufs, x1_bufs
+
+
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr, READY: gl.constexpr, EMPTY: gl.constexpr):
+    """Per slot, ``ready`` (READY arrivals: one per loader thread) and ``empty`` (EMPTY: one
+    per consumer partition)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=READY)
+        mbarrier.init(empty.index(i), count=EMPTY)
+    return ready, empty
 
 
 @gluon.jit
@@ -87,10 +119,10 @@ def _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K: gl.conste
 
 
 @gluon.jit
-def _wg_ptrs(w_ptr, s_ptr, expert, n_g, N, K, BK: gl.constexpr, GATED: gl.constexpr,
-             LW: gl.constexpr):
-    """Word and scale pointers of one consumer warpgroup's WGR weight rows: rows ``n_g..``
-    (GATED: WGR/2 gate rows ``n_g..`` and their up rows ``N + n_g..``)."""
+def _rows_ptrs(w_ptr, s_ptr, expert, n_g, N, K, ROWS: gl.constexpr, BK: gl.constexpr,
+               GATED: gl.constexpr, LW: gl.constexpr):
+    """Word and scale pointers of ROWS weight rows (one consumer's): rows ``n_g..`` (GATED:
+    ROWS/2 gate rows ``n_g..`` and their up rows ``N + n_g..``)."""
     W: gl.constexpr = BK // 8
     G: gl.constexpr = BK // 32
     wtc: gl.constexpr = min(32, W // 4)
@@ -98,11 +130,11 @@ def _wg_ptrs(w_ptr, s_ptr, expert, n_g, N, K, BK: gl.constexpr, GATED: gl.conste
     sc_l: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [LW, 1], [1, 0])
     n_w = 2 * N if GATED else N
     base = expert.to(gl.int64) * n_w
-    wr = gl.arange(0, WGR, layout=gl.SliceLayout(1, wc_l))
-    sr = gl.arange(0, WGR, layout=gl.SliceLayout(1, sc_l))
+    wr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, wc_l))
+    sr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, sc_l))
     if GATED:
-        wr = gl.where(wr < WGR // 2, n_g + wr, N + n_g + wr - WGR // 2)
-        sr = gl.where(sr < WGR // 2, n_g + sr, N + n_g + sr - WGR // 2)
+        wr = gl.where(wr < ROWS // 2, n_g + wr, N + n_g + wr - ROWS // 2)
+        sr = gl.where(sr < ROWS // 2, n_g + sr, N + n_g + sr - ROWS // 2)
     else:
         wr = n_g + wr
         sr = n_g + sr
@@ -119,8 +151,9 @@ def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, 
             stride_xm, TOP_K: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
             BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
             num_warps: gl.constexpr):
-    w0_ptrs, s0_ptrs = _wg_ptrs(w_ptr, s_ptr, expert, n0, N, K, BK, GATED, num_warps)
-    w1_ptrs, s1_ptrs = _wg_ptrs(w_ptr, s_ptr, expert, n0 + OUT_W, N, K, BK, GATED, num_warps)
+    w0_ptrs, s0_ptrs = _rows_ptrs(w_ptr, s_ptr, expert, n0, N, K, WGR, BK, GATED, num_warps)
+    w1_ptrs, s1_ptrs = _rows_ptrs(w_ptr, s_ptr, expert, n0 + OUT_W, N, K, WGR, BK, GATED,
+                                  num_warps)
     x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0, BK,
                       num_warps)
     if BT1 > 0:
@@ -140,25 +173,27 @@ def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, 
 
 
 @gluon.jit
-def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, BK: gl.constexpr,
-               BT0: gl.constexpr, BT1: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup's K loop: ``[WGR, BT0]`` and ``[WGR, BT1]`` accumulators."""
-    w_l: gl.constexpr = _operand_layouts(WGR, BK, 4)[0]
-    s3_l: gl.constexpr = _operand_layouts(WGR, BK, 4)[1]
-    mma0: gl.constexpr = _mma_layout(BT0)
+def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, ROWS: gl.constexpr,
+               BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr, STAGES: gl.constexpr,
+               num_warps: gl.constexpr):
+    """A consumer's K loop over ROWS weight rows: ``[ROWS, BT0]`` and ``[ROWS, BT1]``
+    accumulators; each step retires its own wgmmas (module docstring) and frees its slot."""
+    w_l: gl.constexpr = _operand_layouts(ROWS, BK, num_warps)[0]
+    s3_l: gl.constexpr = _operand_layouts(ROWS, BK, num_warps)[1]
+    mma0: gl.constexpr = _mma_layout(BT0, num_warps)
     a0_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma0, k_width=2)
-    acc0 = gl.zeros([WGR, BT0], gl.float32, mma0)
+    acc0 = gl.zeros([ROWS, BT0], gl.float32, mma0)
     if BT1 > 0:
-        mma1: gl.constexpr = _mma_layout(BT1)
+        mma1: gl.constexpr = _mma_layout(BT1, num_warps)
         a1_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma1, k_width=2)
-        acc1 = gl.zeros([WGR, BT1], gl.float32, mma1)
+        acc1 = gl.zeros([ROWS, BT1], gl.float32, mma1)
     gl.assume(num_steps > 0)  # no zero-trip path: ptxas keeps the wgmmas of a step together
     for i in range(num_steps):
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         w = w_bufs.index(slot).load(w_l)
         s = s_bufs.index(slot).load(gl.SliceLayout(2, s3_l))
-        a = _dequant(w, s, s3_l, WGR, BK)
+        a = _dequant(w, s, s3_l, ROWS, BK)
         fence_async_shared()  # X arrived by cp.async (generic proxy); wgmma reads it (async)
         a0 = gl.convert_layout(a, a0_l, assert_trivial=True)
         acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
@@ -205,8 +240,8 @@ def _store(acc, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, BN:
 def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, out_ptr,
               sorted_ids_ptr, row0, n_out, num_routes, stride_om, BK: gl.constexpr,
               BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr):
-    acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, BK, BT0,
-                            BT1, STAGES)
+    acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, WGR, BK,
+                            BT0, BT1, STAGES, 4)
     _store(acc0, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, WGR, BT0, GATED, 4)
     if BT1 > 0:
         _store(acc1, out_ptr, sorted_ids_ptr, row0 + BT0, n_out, num_routes, stride_om, WGR, BT1,
@@ -226,26 +261,14 @@ def _w4a16_prefill_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_i
     pid_b = gl.program_id(1)
     expert = gl.load(expert_ids_ptr + pid_b)
     if (pid_b * BT < gl.load(ntp_ptr)) & (expert >= 0):
-        # ldmatrix-friendly: rows of BK/8 words, 16-byte vectors swizzled over 128 bytes
-        w_sl: gl.constexpr = gl.SwizzledSharedLayout(4, max(1, 256 // BK), min(8, BK // 32),
-                                                      [1, 0])
+        w_sl: gl.constexpr = _words_smem_layout(BK)
         s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         w0_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
         w1_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
         s0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
         s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
-        x0_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT0, BK], gl.bfloat16)
-        x0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT0, BK], x0_sl)
-        if BT1 > 0:
-            x1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT1, BK], gl.bfloat16)
-            x1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT1, BK], x1_sl)
-        else:
-            x1_bufs = x0_bufs
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=32 * num_warps)
-            mbarrier.init(empty.index(i), count=2)
+        x0_bufs, x1_bufs = _x_ring(STAGES, BT0, BT1, BK)
+        ready, empty = _ring_barriers(STAGES, 32 * num_warps, 2)
         n0 = pid_n * (2 * OUT_W)
         row0 = pid_b * BT
         num_steps = K // BK

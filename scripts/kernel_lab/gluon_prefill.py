@@ -43,15 +43,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from chordq.kernels.gluon_prefill import _store, _x_ptrs, moe_gemm_indexed_gluon_prefill
+from chordq.kernels.gluon_prefill import (_mma_layout, _mma_steps, _ring_barriers, _rows_ptrs,
+                                          _store, _words_smem_layout, _x_ptrs, _x_ring,
+                                          moe_gemm_indexed_gluon_prefill)
 from chordq.kernels.gluon_w4a16 import (_cp_async, _dequant, _operand_layouts,
                                         compile_kernel_sm90)
-
-
-@gluon.constexpr_function
-def _mma_layout(BT, num_warps):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                     instr_shape=[16, BT, 16])
 
 
 @gluon.jit
@@ -64,48 +60,43 @@ def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty, num_steps,
     (A_SMEM=False; two consumer warpgroups overlap one's dequantization with the other's
     wgmmas), or A goes through a 2-slot shared ring (A_SMEM=True) and one step stays in
     flight."""
+    if A_SMEM:
+        acc0, acc1 = _a_smem_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty,
+                                   num_steps, BN, BK, BT0, BT1, STAGES, num_warps)
+    else:  # the shipped tile's loop (kernels/gluon_prefill.py)
+        acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, BN,
+                                BK, BT0, BT1, STAGES, num_warps)
+    return acc0, acc1
+
+
+@gluon.jit
+def _a_smem_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty, num_steps,
+                  BN: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr,
+                  STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """The K loop with A through a 2-slot shared ring: one step's wgmmas stay in flight."""
     w_l: gl.constexpr = _operand_layouts(BN, BK, num_warps)[0]
     s3_l: gl.constexpr = _operand_layouts(BN, BK, num_warps)[1]
-    mma0: gl.constexpr = _mma_layout(BT0, num_warps)
-    a0_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma0, k_width=2)
-    acc0 = gl.zeros([BN, BT0], gl.float32, mma0)
+    acc0 = gl.zeros([BN, BT0], gl.float32, _mma_layout(BT0, num_warps))
     if BT1 > 0:
-        mma1: gl.constexpr = _mma_layout(BT1, num_warps)
-        a1_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma1, k_width=2)
-        acc1 = gl.zeros([BN, BT1], gl.float32, mma1)
+        acc1 = gl.zeros([BN, BT1], gl.float32, _mma_layout(BT1, num_warps))
     gl.assume(num_steps > 0)  # no zero-trip path: ptxas keeps the wgmmas in flight (variant 14)
     for i in range(num_steps):
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
         w = w_bufs.index(slot).load(w_l)
         s = s_bufs.index(slot).load(gl.SliceLayout(2, s3_l))
-        a = _dequant(w, s, s3_l, BN, BK)
-        if A_SMEM:
-            a_buf = a_bufs.index(i % 2)  # step i - 2's wgmmas, its last readers, are done
-            a_buf.store(a)
-            fence_async_shared()  # X (cp.async) and A (st.shared) are read by wgmma (async)
-            acc0 = warpgroup_mma(a_buf, x0_bufs.index(slot).permute((1, 0)), acc0,
+        a_buf = a_bufs.index(i % 2)  # step i - 2's wgmmas, its last readers, are done
+        a_buf.store(_dequant(w, s, s3_l, BN, BK))
+        fence_async_shared()  # X (cp.async) and A (st.shared) are read by wgmma (async)
+        acc0 = warpgroup_mma(a_buf, x0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
+        if BT1 > 0:
+            acc1 = warpgroup_mma(a_buf, x1_bufs.index(slot).permute((1, 0)), acc1,
                                  is_async=True)
-            if BT1 > 0:
-                acc1 = warpgroup_mma(a_buf, x1_bufs.index(slot).permute((1, 0)), acc1,
-                                     is_async=True)
-                acc0, acc1 = warpgroup_mma_wait(2, deps=[acc0, acc1])
-            else:
-                acc0 = warpgroup_mma_wait(1, deps=[acc0])
-            # step i - 1's wgmmas are done: its slot (words, scales, X) can be refilled
-            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+            acc0, acc1 = warpgroup_mma_wait(2, deps=[acc0, acc1])
         else:
-            fence_async_shared()  # X arrived by cp.async (generic proxy); wgmma reads it
-            a0 = gl.convert_layout(a, a0_l, assert_trivial=True)
-            acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
-            if BT1 > 0:
-                a1 = gl.convert_layout(a, a1_l, assert_trivial=True)
-                acc1 = warpgroup_mma(a1, x1_bufs.index(slot).permute((1, 0)), acc1,
-                                     is_async=True)
-                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
-            else:
-                acc0 = warpgroup_mma_wait(0, deps=[acc0])
-            mbarrier.arrive(empty.index(slot))
+            acc0 = warpgroup_mma_wait(1, deps=[acc0])
+        # step i - 1's wgmmas are done: its slot (words, scales, X) can be refilled
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
     if BT1 > 0:
         acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
         return acc0, acc1
@@ -121,26 +112,7 @@ def _loader(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, x_ptr, w_
             BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr, LW: gl.constexpr):
     W: gl.constexpr = BK // 8  # words per row and step
     G: gl.constexpr = BK // 32  # scales per row and step
-    OUT_N: gl.constexpr = BN // 2 if GATED else BN
-    wtc: gl.constexpr = min(32, W // 4)
-    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // wtc, wtc], [LW, 1], [1, 0])
-    sc_l: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [LW, 1], [1, 0])
-    k8 = (K // BK) * W
-    ks = (K // BK) * G
-    n_w = 2 * N if GATED else N
-    wr = gl.arange(0, BN, layout=gl.SliceLayout(1, wc_l))
-    sr = gl.arange(0, BN, layout=gl.SliceLayout(1, sc_l))
-    if GATED:  # rows [0, BN/2): gate rows n0.., [BN/2, BN): the matching up rows N + n0..
-        wr = gl.where(wr < OUT_N, n0 + wr, N + n0 + wr - OUT_N)
-        sr = gl.where(sr < OUT_N, n0 + sr, N + n0 + sr - OUT_N)
-    else:
-        wr = n0 + wr
-        sr = n0 + sr
-    base = expert.to(gl.int64) * n_w
-    w_ptrs = (w_ptr + (base + wr)[:, None] * k8
-              + gl.arange(0, W, layout=gl.SliceLayout(0, wc_l))[None, :])
-    s_ptrs = (s_ptr + (base + sr)[:, None] * ks
-              + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))[None, :])
+    w_ptrs, s_ptrs = _rows_ptrs(w_ptr, s_ptr, expert, n0, N, K, BN, BK, GATED, LW)
     x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0, BK, LW)
     if BT1 > 0:
         x1_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0 + BT0, num_routes, stride_xm, TOP_K, BT1,
@@ -170,28 +142,17 @@ def w4a16_prefill_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
     pid_b = gl.program_id(1)
     expert = gl.load(expert_ids_ptr + pid_b)
     if (pid_b * BT < gl.load(ntp_ptr)) & (expert >= 0):
-        w_sl: gl.constexpr = gl.SwizzledSharedLayout(4, 128 // (BK // 2) if BK < 256 else 1,
-                                                      BK // 32 if BK < 256 else 8, [1, 0])
-        s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8], w_sl)
-        s_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK // 32], s_sl)
-        x0_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT0, BK], gl.bfloat16)
-        x0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT0, BK], x0_sl)
-        if BT1 > 0:
-            x1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT1, BK], gl.bfloat16)
-            x1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT1, BK], x1_sl)
-        else:
-            x1_bufs = x0_bufs
+        w_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, BK // 8],
+                                           _words_smem_layout(BK))
+        s_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK // 32],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        x0_bufs, x1_bufs = _x_ring(STAGES, BT0, BT1, BK)
         if A_SMEM:
             a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
             a_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BN, BK], a_sl)
         else:
             a_bufs = x0_bufs
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=32 * LW)
-            mbarrier.init(empty.index(i), count=1)
+        ready, empty = _ring_barriers(STAGES, 32 * LW, 1)
         n0 = pid_n * OUT_N
         row0 = pid_b * BT
         num_steps = K // BK
