@@ -31,7 +31,6 @@ the wheel in that folder), interleaved, with CUDA graphs. Tiles are ``BN,BT,warp
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -247,111 +246,30 @@ SMEM_TILES = [tuple(int(v) for v in t.split(",")) for t in os.environ.get(
 
 
 def gpu_main() -> None:
-    from chordq.kernels import bench as B
-    from chordq.kernels import bench_humming as H
-    from chordq.kernels.align import align_row_tiles, moe_align_block_size
-    from chordq.kernels.bench_humming import LAYOUTS, convert_weights, floor_model, time_graphs
     from chordq.kernels.gluon_w4a16 import moe_gemm_indexed_gluon
-    from chordq.kernels.reference import cos_diff, moe_gemm_indexed_reference
-    from chordq.kernels.triton_config import choose_row_tiles
-    from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
-
     from chordq.layout import subnormal_scales
 
-    out_dir = os.environ.get("OUT", "/tmp/lab")
-    os.makedirs(out_dir, exist_ok=True)
-    only = os.environ.get("GLUON_T")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    weights, results, layers = {}, [], {}
-    wheel = os.environ.get("GLUON_HUMMING")  # folder holding humming's wheel (.whl)
-    if wheel:
-        H.import_humming(H.install_humming(wheel))
-    for layout, proj, tokens in ROWS:
-        if only and str(tokens) not in only.split():
-            continue
-        p = next(q for q in LAYOUTS[layout] if q.proj == proj)
-        if (layout, proj) not in weights:
-            w, sc = H.make_weights(p, 0, "cuda")
-            weights[(layout, proj)] = (w, sc, *convert_weights(w, sc, "subnormal"),
-                                       lab_order(w), subnormal_scales(sc))
-            if wheel:
-                layers[(layout, proj)] = (H.build_humming_layer(p, w, sc)[0], {})
-        w, sc, wf, sf, wl, sl = weights[(layout, proj)]
-        scores = torch.rand(tokens, p.num_experts, generator=gen, device="cuda")
-        topk = scores.topk(8, dim=-1).indices.to(torch.int32)
-        rows = 8 * tokens
-        x = torch.randn(p.input_rows(tokens), p.k, generator=gen, device="cuda").to(torch.bfloat16)
-        touched = int(torch.unique(topk).numel())
-        floor_us = floor_model(p, tokens, touched)["floor_us"]
-        # "shipped": the Triton tiles (choose_row_tiles without gluon_experts), the baseline
-        # the Gluon tile was measured against before it shipped
-        pieces = align_row_tiles(topk, choose_row_tiles(rows / p.num_experts, p.n, p.k),
-                                 p.num_experts)
-        fns, outs = {}, {}
-        out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
-        fns["shipped"] = (lambda out=out, pieces=pieces: moe_gemm_mixed_triton(
-            x, wf, sf, pieces, p.top_k, out=out, w_order="subnormal"))
-        outs["shipped"] = out
-        wants = {}
-        if wheel:
-            layer, cache = layers[(layout, proj)]
-            cfg, _ = H.humming_config(layer, rows, cache)
-            bm = int(cfg["block_shape"][0])
-            h_aligned, _ = H.humming_align(topk, p.num_experts, bm)
-            wants[bm] = moe_gemm_indexed_reference(x, w, sc, *moe_align_block_size(
-                topk, bm, p.num_experts), p.top_k, bm)
-            out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
-            cfg_json = json.dumps(cfg)
-            fns["humming"] = (lambda out=out, a=h_aligned, layer=layer, cfg_json=cfg_json: layer(
-                x, outputs=out, sorted_ids=a[0], expert_ids=a[1], num_tokens_padded=a[2],
-                top_k=p.top_k, compute_config=H.HUMMING_COMPUTE_CONFIG, tuning_config=cfg_json))
-            outs["humming"] = (out, bm)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import contest
 
-        def add(name, bt, launch):
-            """One contestant on ``bt``-row blocks: ``launch(out, aligned, blocks)``."""
-            aligned = moe_align_block_size(topk, bt, p.num_experts)
-            if bt not in wants:
-                wants[bt] = moe_gemm_indexed_reference(x, w, sc, *aligned, p.top_k, bt)
-            out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
-            blocks = int(aligned[2][0]) // bt
-            fns[name] = lambda: launch(out, aligned, blocks)
-            outs[name] = (out, bt)
-
+    def contestants(c, add):
+        wl, sl = c.extra
         for bn, bt, warps, pf, fr in TILES:
-            if p.n % bn == 0:
+            if c.p.n % bn == 0:
                 add(f"gluon {bn}x{bt}x{warps}" + (" pf" if pf else "") + (" frag" if fr else ""),
                     bt, lambda out, a, nb, bn=bn, bt=bt, warps=warps, pf=pf, fr=fr: decode_gemm(
-                        x, wf if fr else wl, sl, a[0], a[1], nb, p.top_k, out, bn=bn, bt=bt,
-                        warps=warps, prefetch=bool(pf), frag=bool(fr)))
+                        c.x, c.wf if fr else wl, sl, a[0], a[1], nb, c.p.top_k, out, bn=bn,
+                        bt=bt, warps=warps, prefetch=bool(pf), frag=bool(fr)))
         for bn, bt, warps, stages in SMEM_TILES:
-            if p.n % bn == 0:
+            if c.p.n % bn == 0:
                 add(f"smem {bn}x{bt}x{warps} s{stages}", bt,
                     lambda out, a, nb, bn=bn, warps=warps, stages=stages: moe_gemm_indexed_gluon(
-                        x, wf, sf, *a, p.top_k, out, num_routes=rows, grid_m=nb, block_n=bn,
-                        num_warps=warps, num_stages=stages, gated=False))
-        for name, fn in fns.items():
-            fn()
-        torch.cuda.synchronize()
-        want = next(iter(wants.values()))
-        cos = {"shipped": cos_diff(outs["shipped"], want)}
-        for name, (o, bt) in [(k, v) for k, v in outs.items() if k != "shipped"]:
-            cos[name] = cos_diff(o, wants[bt])
-        times = time_graphs(fns, 7, B.GRAPH_CALLS)
-        base = times["shipped"].get("graph_us")
-        hum = times.get("humming", {}).get("graph_us")
-        for name in fns:
-            us = times[name].get("graph_us")
-            r = {"layout": layout, "proj": proj, "T": tokens, "touched": touched, "variant": name,
-                 "graph_us": us, "cos_diff": cos[name], "floor_us": floor_us,
-                 "vs_shipped": us / base if us and base else None,
-                 "vs_humming": us / hum if us and hum else None}
-            results.append(r)
-            print(f"{layout} {proj:7s} T={tokens:4d} {name:24s} "
-                  f"{us or float('nan'):8.1f} µs  {100 * floor_us / us if us else 0:5.1f}% "
-                  f"x{r['vs_shipped'] or 0:.3f} /H {r['vs_humming'] or 0:.3f} "
-                  f"cos={cos[name]:.1e} {times[name].get('graph_error', '')}",
-                  flush=True)
-        json.dump(results, open(f"{out_dir}/gluon_decode.json", "w"), indent=1)
+                        c.x, c.wf, c.sf, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb,
+                        block_n=bn, num_warps=warps, num_stages=stages, gated=False))
+
+    contest.run(ROWS, os.environ.get("GLUON_T", ""),
+                os.path.join(os.environ.get("OUT", "/tmp/lab"), "gluon_decode.json"),
+                contestants, extra_weights=lambda w, sc: (lab_order(w), subnormal_scales(sc)))
 
 
 if __name__ == "__main__" and "--sass" not in sys.argv:

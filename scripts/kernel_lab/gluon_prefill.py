@@ -28,7 +28,6 @@ TILE`` runs one lockstep tile and the Triton tiles for ``ncu_prefill.sh`` / ``nc
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -241,116 +240,32 @@ ROWS = ([("EP8", proj, t) for t in (256, 512, 1024, 2048, 8192) for proj in ("ga
 
 
 def gpu_main() -> None:
-    from chordq.kernels import bench as B
-    from chordq.kernels import bench_humming as H
-    from chordq.kernels.align import align_row_tiles, moe_align_block_size
-    from chordq.kernels.bench_humming import LAYOUTS, convert_weights, floor_model, time_graphs
-    from chordq.kernels.reference import cos_diff, moe_gemm_indexed_reference
-    from chordq.kernels.triton_config import choose_row_tiles
-    from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import contest
 
-    out_dir = os.environ.get("OUT", "/tmp/lab")
-    os.makedirs(out_dir, exist_ok=True)
-    only = os.environ.get("PREFILL_T")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    weights, results, layers = {}, [], {}
-    wheel = os.environ.get("GLUON_HUMMING")  # folder holding humming's wheel (.whl)
-    if wheel:
-        H.import_humming(H.install_humming(wheel))
-    for layout, proj, tokens in ROWS:
-        if only and str(tokens) not in only.split():
-            continue
-        p = next(q for q in LAYOUTS[layout] if q.proj == proj)
-        if (layout, proj) not in weights:
-            w, sc = H.make_weights(p, 0, "cuda")
-            weights[(layout, proj)] = (w, sc, *convert_weights(w, sc, "subnormal"))
-            if wheel:
-                layers[(layout, proj)] = (H.build_humming_layer(p, w, sc)[0], {})
-        w, sc, wf, sf = weights[(layout, proj)]
-        scores = torch.rand(tokens, p.num_experts, generator=gen, device="cuda")
-        topk = scores.topk(8, dim=-1).indices.to(torch.int32)
-        rows = 8 * tokens
-        x = torch.randn(p.input_rows(tokens), p.k, generator=gen, device="cuda").to(torch.bfloat16)
-        touched = int(torch.unique(topk).numel())
-        floor_us = floor_model(p, tokens, touched)["floor_us"]
-        tiles = choose_row_tiles(rows / p.num_experts, p.n, p.k)
-        pieces = align_row_tiles(topk, tiles, p.num_experts)
-        fns, outs, wants = {}, {}, {}
-        out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
-        fns["shipped"] = (lambda out=out, pieces=pieces: moe_gemm_mixed_triton(
-            x, wf, sf, pieces, p.top_k, out=out, w_order="subnormal"))
-        outs["shipped"] = (out, tiles[0])
-        if wheel:
-            layer, cache = layers[(layout, proj)]
-            cfg, _ = H.humming_config(layer, rows, cache)
-            bm = int(cfg["block_shape"][0])
-            h_aligned, _ = H.humming_align(topk, p.num_experts, bm)
-            out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
-            cfg_json = json.dumps(cfg)
-            fns["humming"] = (lambda out=out, a=h_aligned, layer=layer, cfg_json=cfg_json: layer(
-                x, outputs=out, sorted_ids=a[0], expert_ids=a[1], num_tokens_padded=a[2],
-                top_k=p.top_k, compute_config=H.HUMMING_COMPUTE_CONFIG, tuning_config=cfg_json))
-            outs["humming"] = (out, bm)
+    def contestants(c, add):
         for bn, bk, bt0, bt1, stages, warps, lw, a_smem, ctas, lregs in PREFILL_TILES:
-            bt = bt0 + bt1
-            if p.n % bn or p.k % bk:
+            if c.p.n % bn or c.p.k % bk:
                 continue
-            a = moe_align_block_size(topk, bt, p.num_experts)
-            out = torch.zeros(rows, p.n, dtype=torch.bfloat16, device="cuda")
-            name = (f"g {bn}x{bk} {bt0}+{bt1} s{stages} w{warps}+{lw}" + " A"[a_smem]
-                    + f" c{ctas} r{lregs}")
-            fns[name] = (lambda out=out, a=a, nb=int(a[2][0]) // bt, t=(bn, bk, bt0, bt1, stages,
-                         warps, lw, a_smem, ctas, lregs): prefill_gemm(
-                x, wf, sf, a[0], a[1], a[2], nb, p.top_k, out, bn=t[0], bk=t[1], bt0=t[2],
-                bt1=t[3], stages=t[4], warps=t[5], lw=t[6], a_smem=t[7], ctas=t[8], lregs=t[9]))
-            outs[name] = (out, bt)
+            add(f"g {bn}x{bk} {bt0}+{bt1} s{stages} w{warps}+{lw}" + " A"[a_smem]
+                + f" c{ctas} r{lregs}", bt0 + bt1,
+                lambda out, a, nb, t=(bn, bk, bt0, bt1, stages, warps, lw, a_smem, ctas, lregs):
+                prefill_gemm(c.x, c.wf, c.sf, *a, nb, c.p.top_k, out, bn=t[0], bk=t[1],
+                             bt0=t[2], bt1=t[3], stages=t[4], warps=t[5], lw=t[6], a_smem=t[7],
+                             ctas=t[8], lregs=t[9]))
         for bm, bk, stages in PP_TILES:  # the shipped ping-pong tile (kernels/gluon_prefill.py)
-            a = moe_align_block_size(topk, bm, p.num_experts)
-            for gated in (False, True) if proj == "gate_up" else (False,):
-                n_out = p.n // 2 if gated else p.n
-                out = torch.zeros(rows, n_out, dtype=torch.bfloat16, device="cuda")
-                name = f"pp {bm}x{bk} s{stages}" + (" fused" if gated else "")
-                fns[name] = (lambda out=out, a=a, nb=int(a[2][0]) // bm, t=(bm, bk, stages),
-                             gated=gated, n_out=n_out: moe_gemm_indexed_gluon_prefill(
-                    x, wf, sf, *a, p.top_k, out, num_routes=rows, grid_m=nb, block_m=t[0],
-                    block_n=128 if gated else 256, block_k=t[1], num_stages=t[2], gated=gated))
-                outs[name] = (out, (bm, "silu_mul") if gated else bm)
-        errors = {}
-        for name, fn in list(fns.items()):
-            try:
-                fn()
-                torch.cuda.synchronize()
-            except Exception as exc:
-                errors[name] = (str(exc) or repr(exc)).strip().splitlines()[-1][:300]
-                print(f"  {name}: {errors[name]}", flush=True)
-                del fns[name]
-        cos = {}
-        for name, (o, bt) in outs.items():
-            if name in errors:
-                continue
-            if bt not in wants:
-                size, act = bt if isinstance(bt, tuple) else (bt, None)
-                wants[bt] = moe_gemm_indexed_reference(x, w, sc, *moe_align_block_size(
-                    topk, size, p.num_experts), p.top_k, size, activation=act)
-            cos[name] = cos_diff(o, wants[bt])
-            if cos[name] != cos[name]:  # nan: say what came out
-                print(f"  {name}: nan {int(o.isnan().sum())}, zero rows "
-                      f"{int((o == 0).all(1).sum())} of {o.shape[0]}, max {o.float().abs().max()}")
-        times = time_graphs(fns, 7, B.GRAPH_CALLS)
-        base = times["shipped"].get("graph_us")
-        hum = times.get("humming", {}).get("graph_us")
-        for name in fns:
-            us = times[name].get("graph_us")
-            r = {"layout": layout, "proj": proj, "T": tokens, "touched": touched, "variant": name,
-                 "graph_us": us, "cos_diff": cos[name], "floor_us": floor_us,
-                 "vs_shipped": us / base if us and base else None,
-                 "vs_humming": us / hum if us and hum else None}
-            results.append(r)
-            print(f"{layout} {proj:7s} T={tokens:4d} {name:28s} "
-                  f"{us or float('nan'):8.1f} us {100 * floor_us / us if us else 0:5.1f}% "
-                  f"x{r['vs_shipped'] or 0:.3f} /H {r['vs_humming'] or 0:.3f} "
-                  f"cos={cos[name]:.1e} {times[name].get('graph_error', '')}", flush=True)
-        json.dump(results, open(f"{out_dir}/gluon_prefill.json", "w"), indent=1)
+            for gated in (False, True) if c.proj == "gate_up" else (False,):
+                add(f"pp {bm}x{bk} s{stages}" + (" fused" if gated else ""), bm,
+                    lambda out, a, nb, t=(bm, bk, stages), gated=gated:
+                    moe_gemm_indexed_gluon_prefill(
+                        c.x, c.wf, c.sf, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb,
+                        block_m=t[0], block_n=128 if gated else 256, block_k=t[1],
+                        num_stages=t[2], gated=gated),
+                    act="silu_mul" if gated else None)
+
+    contest.run(ROWS, os.environ.get("PREFILL_T", ""),
+                os.path.join(os.environ.get("OUT", "/tmp/lab"), "gluon_prefill.json"),
+                contestants)
 
 
 def profile_main(proj: str, tokens: int, tile: str) -> None:
