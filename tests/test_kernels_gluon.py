@@ -131,14 +131,10 @@ def _problem(e, n, k, m, top_k, seed=0):
     return w.cuda(), s.cuda(), x.cuda(), topk.cuda()
 
 
-@pytest.mark.parametrize("activation", [None, "silu_mul"])
-@pytest.mark.parametrize("e, n, k, m, top_k, local", [
-    (6, 256, 512, 5, 4, None),  # two K steps, two column tiles, 1-3 rows per expert
-    (8, 384, 256, 20, 8, None),  # one K step (TP8 down's K), blocks of 8 full and partial
-    (6, 256, 768, 7, 4, 4),  # expert_map: two remote experts (expert id -1), their rows untouched
-], ids=["2-steps", "1-step", "remote"])
-@needs_sm90
-def test_gluon_tile_matches_the_reference(e, n, k, m, top_k, local, activation):
+def check_indexed_tile(block, e, n, k, m, top_k, local, activation, config=None):
+    """The indexed GEMM on ``block``-row blocks (``config``, or the heuristic's for that block)
+    against the reference on the rows it owns; the rows it does not own stay as they were.
+    ``local``: only the first ``local`` experts are on this GPU (the others: expert id -1)."""
     from chordq.kernels import moe_gemm_indexed_triton
 
     w, s, x, topk = _problem(e, n, k, m, top_k)
@@ -147,17 +143,18 @@ def test_gluon_tile_matches_the_reference(e, n, k, m, top_k, local, activation):
         expert_map = torch.full((e,), -1, dtype=torch.int32)
         expert_map[:local] = torch.arange(local, dtype=torch.int32)
         expert_map = expert_map.cuda()
-    aligned = moe_align_block_size(topk, 8, e, expert_map)
+    aligned = moe_align_block_size(topk, block, e, expert_map)
     rows = m * top_k
     n_out = n // 2 if activation else n
     if local is not None:  # the local experts' weights only
         w, s = w[:local], s[:local]
-    want = moe_gemm_indexed_reference(x, w, s, *aligned, top_k, 8, activation=activation)
+    want = moe_gemm_indexed_reference(x, w, s, *aligned, top_k, block, activation=activation)
     out = torch.full((rows, n_out), 7.0, dtype=torch.bfloat16, device="cuda")
-    got = moe_gemm_indexed_triton(x, fragment_order(w), subnormal_scales(s), *aligned, top_k, 8,
-                                  activation=activation, out=out, w_order="subnormal")
+    got = moe_gemm_indexed_triton(x, fragment_order(w), subnormal_scales(s), *aligned, top_k,
+                                  block, activation=activation, out=out, config=config,
+                                  w_order="subnormal")
     owned = (aligned[0][: int(aligned[2])] < rows) & (
-        aligned[1][: int(aligned[2]) // 8].repeat_interleave(8) >= 0)
+        aligned[1][: int(aligned[2]) // block].repeat_interleave(block) >= 0)
     owned_rows = aligned[0][: int(aligned[2])][owned].long()
     mask = torch.zeros(rows, dtype=torch.bool, device="cuda")
     mask[owned_rows] = True
@@ -165,13 +162,13 @@ def test_gluon_tile_matches_the_reference(e, n, k, m, top_k, local, activation):
     assert bool((got[~mask] == 7.0).all())  # rows the tile does not own are left as they were
 
 
-@needs_sm90
-def test_fused_moe_decode_takes_the_gluon_tile():
+def check_fused_moe_tile(e, h, i, m, seed, block):
+    """``fused_moe`` on a problem whose row tiles are ``(block,)`` (asserted, as ``fused_moe``
+    asks for them) against the reference."""
     from chordq.kernels import fused_moe, fused_moe_reference, prepare_weights, route
     from chordq.kernels.triton_w4a16 import row_tiles
 
-    e, h, i, m = 48, 1024, 1024, 4  # 23 experts x 16 gated tiles: a full enough grid
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     w13 = pack_codes(torch.randint(0, 16, (e, 2 * i, h), generator=g)).cuda()
     s13 = (0.02 * torch.exp2(torch.randn(e, 2 * i, h // 32, generator=g))).bfloat16().cuda()
     w2 = pack_codes(torch.randint(0, 16, (e, h, i), generator=g)).cuda()
@@ -179,11 +176,39 @@ def test_fused_moe_decode_takes_the_gluon_tile():
     x = torch.randn(m, h, generator=g).bfloat16().cuda()
     logits = torch.randn(m, e, generator=g).cuda()
     topk_w, topk_ids = route(logits, torch.zeros(e, device="cuda"), 8, 2.5)
-    assert row_tiles(m * 8 / e, i, h, e, x.device, "subnormal", gated=True) == (8,)
+    assert row_tiles(m * 8 / e, i, h, e, x.device, "subnormal", gated=True,
+                     down=(h, i)) == (block,)
     want = fused_moe_reference(x, w13, s13, w2, s2, topk_w, topk_ids)
     *weights, w_order = prepare_weights(w13, s13, w2, s2)
     got = fused_moe(x, *weights, topk_w, topk_ids, w_order=w_order)
     assert cos_diff(got, want) < MAX_COS_DIFF
+
+
+def check_graph_capture(run):
+    """``run()`` captured in a CUDA graph and replayed gives what it gives eagerly."""
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@pytest.mark.parametrize("e, n, k, m, top_k, local", [
+    (6, 256, 512, 5, 4, None),  # two K steps, two column tiles, 1-3 rows per expert
+    (8, 384, 256, 20, 8, None),  # one K step (TP8 down's K), blocks of 8 full and partial
+    (6, 256, 768, 7, 4, 4),  # expert_map: two remote experts (expert id -1), their rows untouched
+], ids=["2-steps", "1-step", "remote"])
+@needs_sm90
+def test_gluon_tile_matches_the_reference(e, n, k, m, top_k, local, activation):
+    check_indexed_tile(8, e, n, k, m, top_k, local, activation)
+
+
+@needs_sm90
+def test_fused_moe_decode_takes_the_gluon_tile():
+    check_fused_moe_tile(48, 1024, 1024, 4, 3, 8)  # 23 experts x 16 gated tiles: a full grid
 
 
 @needs_sm90
@@ -193,14 +218,5 @@ def test_gluon_tile_is_cuda_graph_capturable():
     w, s, x, topk = _problem(16, 256, 512, 6, 8)
     aligned = moe_align_block_size(topk, 8, 16)
     wf, sf = fragment_order(w), subnormal_scales(s)
-
-    def run():
-        return moe_gemm_indexed_triton(x, wf, sf, *aligned, 8, 8, w_order="subnormal")
-
-    eager = run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    check_graph_capture(lambda: moe_gemm_indexed_triton(x, wf, sf, *aligned, 8, 8,
+                                                        w_order="subnormal"))

@@ -8,15 +8,14 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
-from chordq.kernels import moe_align_block_size, moe_gemm_indexed_reference
-from chordq.kernels.reference import cos_diff
+from chordq.kernels import moe_align_block_size
 from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, W4A16Config, choose_config,
                                           choose_row_tiles, gluon_prefill_applies)
-from chordq.layout import fragment_order, pack_codes, subnormal_scales
+from chordq.layout import fragment_order, subnormal_scales
 
-from test_kernels_gluon import MAX_COS_DIFF, _problem, _sass, needs_sm90
+from test_kernels_gluon import (_problem, _sass, check_fused_moe_tile, check_graph_capture,
+                                check_indexed_tile, needs_sm90)
 
 # ----------------------------------------------------------------------------- config
 
@@ -110,55 +109,14 @@ def test_sm90_build_is_warp_specialized_wgmma_without_spills(gated):
 ], ids=["16-steps", "3-steps", "remote"])
 @needs_sm90
 def test_prefill_tile_matches_the_reference(e, n, k, m, top_k, local, activation):
-    from chordq.kernels import moe_gemm_indexed_triton
-
-    w, s, x, topk = _problem(e, n, k, m, top_k)
-    expert_map = None
-    if local is not None:
-        expert_map = torch.full((e,), -1, dtype=torch.int32)
-        expert_map[:local] = torch.arange(local, dtype=torch.int32)
-        expert_map = expert_map.cuda()
-    aligned = moe_align_block_size(topk, 96, e, expert_map)
-    rows = m * top_k
-    n_out = n // 2 if activation else n
-    if local is not None:
-        w, s = w[:local], s[:local]
-    want = moe_gemm_indexed_reference(x, w, s, *aligned, top_k, 96, activation=activation)
-    out = torch.full((rows, n_out), 7.0, dtype=torch.bfloat16, device="cuda")
-    cfg = choose_config(rows / e, n_out, k, block_m=96, gated=activation is not None,
-                        w_order="subnormal")
-    got = moe_gemm_indexed_triton(x, fragment_order(w), subnormal_scales(s), *aligned, top_k, 96,
-                                  activation=activation, out=out, config=cfg,
-                                  w_order="subnormal")
-    owned = (aligned[0][: int(aligned[2])] < rows) & (
-        aligned[1][: int(aligned[2]) // 96].repeat_interleave(96) >= 0)
-    owned_rows = aligned[0][: int(aligned[2])][owned].long()
-    mask = torch.zeros(rows, dtype=torch.bool, device="cuda")
-    mask[owned_rows] = True
-    assert cos_diff(got[mask], want[mask]) < MAX_COS_DIFF
-    assert bool((got[~mask] == 7.0).all())  # rows the tile does not own are left as they were
+    cfg = choose_config(m * top_k / e, n // 2 if activation else n, k, block_m=96,
+                        gated=activation is not None, w_order="subnormal")
+    check_indexed_tile(96, e, n, k, m, top_k, local, activation, config=cfg)
 
 
 @needs_sm90
 def test_fused_moe_prefill_takes_the_prefill_tile():
-    from chordq.kernels import fused_moe, fused_moe_reference, prepare_weights, route
-    from chordq.kernels.triton_w4a16 import row_tiles
-
-    e, h, i, m = 8, 2048, 2048, 85  # 85 rows per expert, as EP8 T=512
-    g = torch.Generator().manual_seed(5)
-    w13 = pack_codes(torch.randint(0, 16, (e, 2 * i, h), generator=g)).cuda()
-    s13 = (0.02 * torch.exp2(torch.randn(e, 2 * i, h // 32, generator=g))).bfloat16().cuda()
-    w2 = pack_codes(torch.randint(0, 16, (e, h, i), generator=g)).cuda()
-    s2 = (0.02 * torch.exp2(torch.randn(e, h, i // 32, generator=g))).bfloat16().cuda()
-    x = torch.randn(m, h, generator=g).bfloat16().cuda()
-    logits = torch.randn(m, e, generator=g).cuda()
-    topk_w, topk_ids = route(logits, torch.zeros(e, device="cuda"), 8, 2.5)
-    assert row_tiles(m * 8 / e, i, h, e, x.device, "subnormal", gated=True,
-                     down=(h, i)) == (96,)
-    want = fused_moe_reference(x, w13, s13, w2, s2, topk_w, topk_ids)
-    *weights, w_order = prepare_weights(w13, s13, w2, s2)
-    got = fused_moe(x, *weights, topk_w, topk_ids, w_order=w_order)
-    assert cos_diff(got, want) < MAX_COS_DIFF
+    check_fused_moe_tile(8, 2048, 2048, 85, 5, 96)  # 85 rows per expert, as EP8 T=512
 
 
 @needs_sm90
@@ -169,15 +127,5 @@ def test_prefill_tile_is_cuda_graph_capturable():
     aligned = moe_align_block_size(topk, 96, 4)
     wf, sf = fragment_order(w), subnormal_scales(s)
     cfg = choose_config(50, 512, 2048, block_m=96, w_order="subnormal")
-
-    def run():
-        return moe_gemm_indexed_triton(x, wf, sf, *aligned, 2, 96, config=cfg,
-                                       w_order="subnormal")
-
-    eager = run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    check_graph_capture(lambda: moe_gemm_indexed_triton(x, wf, sf, *aligned, 2, 96, config=cfg,
+                                                        w_order="subnormal"))
