@@ -62,7 +62,8 @@ def run(rows, only: str, out_json: str, contestants, extra_weights=None) -> list
             aligned = moe_align_block_size(topk, block, p.num_experts)
             out = torch.zeros(n_rows, p.n // 2 if act else p.n, dtype=torch.bfloat16,
                               device="cuda")
-            fns[name] = lambda: launch(out, aligned, int(aligned[2][0]) // block)
+            blocks = int(aligned[2][0]) // block  # read here: no host sync inside a capture
+            fns[name] = lambda: launch(out, aligned, blocks)
             outs[name] = (out, (block, act))
 
         tiles = choose_row_tiles(n_rows / p.num_experts, p.n, p.k)
