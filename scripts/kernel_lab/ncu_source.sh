@@ -5,7 +5,7 @@
 set -u
 k=$1; shift
 f="$OUT/ncu_source_${k//[^A-Za-z0-9_]/_}.csv"
-timeout 200 ncu --kernel-name "regex:$k" --launch-skip 2 --launch-count 1 --section SourceCounters \
+timeout 200 ncu --clock-control none --kernel-name "regex:$k" --launch-skip 2 --launch-count 1 --section SourceCounters \
   --page source --csv --print-source sass "$@" 2>/dev/null | grep -v "^==PROF==" > "$f"
 python3 - "$f" <<'PY'
 import csv, sys
