@@ -11,7 +11,7 @@ the same dequantized registers (two wgmmas per step), 96 rows. And Triton 3.6 do
 warp-specialize this loop; Gluon states the partitions:
 
 - the *loader* (the default partition, 4 warps, few registers) copies each 128-deep K step's
-  words, scales and gathered X rows into a 3-slot shared ring with 16-byte ``cp.async`` and
+  words, scales and gathered X rows into a 4-slot shared ring with 16-byte ``cp.async`` and
   signals the slot's ``ready`` mbarrier (``cp.async.mbarrier.arrive.noinc``: one arrival per
   loader thread, when its copies land);
 - two *consumer* warpgroups (worker partitions of 4 warps) each own 128 weight rows of the
@@ -19,8 +19,10 @@ warp-specialize this loop; Gluon states the partitions:
   read words and scales (``ldmatrix``), dequantize straight into wgmma's register A operand
   (a word is one lane's A fragment for two k16 slices), issue the wgmmas with X from shared
   memory, retire them, free the slot on its ``empty`` mbarrier (count 2), and at the end
-  store their own rows. They share nothing but the ring, so one dequantizes while the
-  other's wgmmas run (ping-pong).
+  store their own rows. They share nothing but the ring, and take turns issuing a step's
+  wgmmas (two ``turn`` mbarriers), so one dequantizes while the other's wgmmas run
+  (ping-pong). Without the turns both issued at once and their wgmmas shared the tensor
+  cores, so both then dequantized at once too.
 
 Each step retires its own wgmmas before the next step's dequantization: wgmma reads its
 register operand while in flight, and ptxas reuses those registers for the next step's
@@ -28,8 +30,9 @@ values (seen on the H200: wrong results with 128 token rows and one wgmma group 
 flight, ``scripts/kernel_lab/gluon_prefill.py``).
 
 Measured on the H200 against the shipped Triton tiles and Humming 0.1.19, same process
-(``scripts/kernel_lab/gluon_prefill.py``): EP8 T=512 gate_up 0.89 and down 0.84 of the
-Triton tiles' time, T=1024 0.90 / 0.97; it loses at 43 rows per expert (T=256). Where it runs:
+(``scripts/kernel_lab/gluon_prefill.py``, session 18): of the Triton tiles' time, EP8 T=512
+gate_up 0.85 and down 0.84, T=1024 0.82 / 0.93, T=2048 0.97 / 0.89, T=8192 0.94 / 0.87, TP8
+gate_up T=8192 0.80; it loses at 43 rows per expert (T=256). Where it runs:
 ``triton_config.gluon_prefill_applies``.
 
 GPU only (no interpreter); ``gluon_w4a16.gluon_ready`` says whether it can run. Built by
@@ -55,6 +58,11 @@ __all__ = ["compile_sm90", "moe_gemm_indexed_gluon_prefill", "split_rows"]
 
 WGR = gl.constexpr(128)  # weight rows per consumer warpgroup
 CONSUMER_REGS = 216  # per consumer thread; the loader gets the rest of 168 x 12 warps (72)
+# The consumers take turns issuing their wgmmas (_mma_steps' ME). Turns and 4 ring slots
+# against neither (3 slots), H200, same process (scripts/kernel_lab/gluon_prefill.py, session
+# 18): 0.88-0.98 of the time on EP8 T=256-8192 and TP8 gate_up T=8192, but EP8 down T=512 and
+# 1024 (1.00-1.02); 4 slots alone 0.92-1.05, turns alone (3 slots) 0.92-1.03.
+ORDERED = True
 
 
 def split_rows(block_m: int) -> tuple[int, int]:
@@ -175,9 +183,13 @@ def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, 
 @gluon.jit
 def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, ROWS: gl.constexpr,
                BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr, STAGES: gl.constexpr,
-               num_warps: gl.constexpr):
+               num_warps: gl.constexpr, turn, ME: gl.constexpr):
     """A consumer's K loop over ROWS weight rows: ``[ROWS, BT0]`` and ``[ROWS, BT1]``
-    accumulators; each step retires its own wgmmas (module docstring) and frees its slot."""
+    accumulators; each step retires its own wgmmas (module docstring) and frees its slot.
+
+    ``ME`` 0 or 1 (two consumers): the consumers take turns issuing a step's wgmmas
+    (``turn``: two mbarriers, each consumer arrives on the other's after issuing), so one's
+    dequantization overlaps the other's wgmmas instead of both issuing at once; -1: no turns."""
     w_l: gl.constexpr = _operand_layouts(ROWS, BK, num_warps)[0]
     s3_l: gl.constexpr = _operand_layouts(ROWS, BK, num_warps)[1]
     mma0: gl.constexpr = _mma_layout(BT0, num_warps)
@@ -195,11 +207,16 @@ def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, ROWS: 
         s = s_bufs.index(slot).load(gl.SliceLayout(2, s3_l))
         a = _dequant(w, s, s3_l, ROWS, BK)
         fence_async_shared()  # X arrived by cp.async (generic proxy); wgmma reads it (async)
+        if ME >= 0:  # consumer 0 goes first: step i waits for consumer 1's step i - 1
+            mbarrier.wait(turn.index(ME), (i & 1) ^ (1 - ME))
         a0 = gl.convert_layout(a, a0_l, assert_trivial=True)
         acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
         if BT1 > 0:
             a1 = gl.convert_layout(a, a1_l, assert_trivial=True)
             acc1 = warpgroup_mma(a1, x1_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
+        if ME >= 0:
+            mbarrier.arrive(turn.index(1 - ME))
+        if BT1 > 0:
             acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
         else:
             acc0 = warpgroup_mma_wait(0, deps=[acc0])
@@ -237,11 +254,12 @@ def _store(acc, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, BN:
 
 
 @gluon.jit
-def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, out_ptr,
+def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
               sorted_ids_ptr, row0, n_out, num_routes, stride_om, BK: gl.constexpr,
-              BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr):
+              BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
+              ME: gl.constexpr):
     acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, WGR, BK,
-                            BT0, BT1, STAGES, 4)
+                            BT0, BT1, STAGES, 4, turn, ME)
     _store(acc0, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, WGR, BT0, GATED, 4)
     if BT1 > 0:
         _store(acc1, out_ptr, sorted_ids_ptr, row0 + BT0, n_out, num_routes, stride_om, WGR, BT1,
@@ -253,7 +271,7 @@ def _w4a16_prefill_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_i
                           N, K, num_routes, stride_xm, stride_om,
                           TOP_K: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
                           BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
-                          CREGS: gl.constexpr, num_warps: gl.constexpr):
+                          CREGS: gl.constexpr, ORDER: gl.constexpr, num_warps: gl.constexpr):
     """One (``BT0 + BT1``-row block, 256-weight-row tile) over all of K."""
     BT: gl.constexpr = BT0 + BT1
     OUT_W: gl.constexpr = WGR // 2 if GATED else WGR  # output columns per warpgroup
@@ -269,6 +287,9 @@ def _w4a16_prefill_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_i
         s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
         x0_bufs, x1_bufs = _x_ring(STAGES, BT0, BT1, BK)
         ready, empty = _ring_barriers(STAGES, 32 * num_warps, 2)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for t in gl.static_range(2):
+            mbarrier.init(turn.index(t), count=1)
         n0 = pid_n * (2 * OUT_W)
         row0 = pid_b * BT
         num_steps = K // BK
@@ -277,12 +298,12 @@ def _w4a16_prefill_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_i
                        num_steps, x_ptr, w_ptr, s_ptr, sorted_ids_ptr, row0, expert, n0, OUT_W,
                        N, K, num_routes, stride_xm, TOP_K, BK, BT0, BT1, GATED, STAGES,
                        num_warps)),
-            (_consumer, (w0_bufs, s0_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, out_ptr,
-                         sorted_ids_ptr, row0, n0, num_routes, stride_om, BK, BT0, BT1, GATED,
-                         STAGES)),
-            (_consumer, (w1_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, out_ptr,
-                         sorted_ids_ptr, row0, n0 + OUT_W, num_routes, stride_om, BK, BT0, BT1,
-                         GATED, STAGES)),
+            (_consumer, (w0_bufs, s0_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps,
+                         out_ptr, sorted_ids_ptr, row0, n0, num_routes, stride_om, BK, BT0, BT1,
+                         GATED, STAGES, 0 if ORDER else -1)),
+            (_consumer, (w1_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps,
+                         out_ptr, sorted_ids_ptr, row0, n0 + OUT_W, num_routes, stride_om, BK,
+                         BT0, BT1, GATED, STAGES, 1 if ORDER else -1)),
         ], [4, 4], [CREGS, CREGS])
 
 
@@ -290,15 +311,16 @@ _MAXNREG = 168  # 12 warps (loader + two consumer warpgroups), one CTA per SM: 6
 
 
 def _launch_options(top_k: int, block_m: int, block_k: int, num_stages: int,
-                    gated: bool) -> dict:
+                    gated: bool, order: bool = ORDERED) -> dict:
     bt0, bt1 = split_rows(block_m)
     return {"TOP_K": top_k, "BK": block_k, "BT0": bt0, "BT1": bt1, "GATED": gated,
-            "STAGES": num_stages, "CREGS": CONSUMER_REGS, "num_warps": 4}
+            "STAGES": num_stages, "CREGS": CONSUMER_REGS, "ORDER": order, "num_warps": 4}
 
 
 def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, expert_ids,
                                    num_tokens_post_padded, top_k, out, *, num_routes, grid_m,
-                                   block_m, block_n, block_k, num_stages, gated):
+                                   block_m, block_n, block_k, num_stages, gated,
+                                   order: bool = ORDERED):
     """Launch the prefill tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
     (subnormal weights, ``block_m``-row alignment) and calls this for its configs
     (``triton_config.GLUON_PREFILL_TILE``). ``block_n``: output columns per program."""
@@ -314,7 +336,7 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
         raise ValueError("the Gluon prefill tile needs X rows contiguous and 16-byte aligned")
     if grid_m > 65535:  # the grid's second dimension
         raise ValueError(f"{grid_m} row blocks: the Gluon prefill tile takes at most 65535")
-    opts = _launch_options(top_k, block_m, block_k, num_stages, gated)
+    opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order)
     _w4a16_prefill_kernel[(n // block_n, grid_m)](
         x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
         num_routes, x.stride(0), out.stride(0), maxnreg=_MAXNREG, **opts)
@@ -322,8 +344,8 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
 
 
 def compile_sm90(block_m: int = 96, block_k: int = 128, num_stages: int = 3,
-                 gated: bool = False, top_k: int = 8):
+                 gated: bool = False, top_k: int = 8, order: bool = ORDERED):
     """The tile built for sm_90 on the CPU (``gluon_w4a16.compile_kernel_sm90``: tests, lab)."""
     return compile_kernel_sm90(_w4a16_prefill_kernel,
-                               _launch_options(top_k, block_m, block_k, num_stages, gated),
+                               _launch_options(top_k, block_m, block_k, num_stages, gated, order),
                                maxnreg=_MAXNREG)

@@ -144,11 +144,14 @@ class W4A16Config:
 # CTA, 8 warps, or 16 token rows (X traffic doubles) were slower.
 GLUON_DECODE_TILE = W4A16Config(8, 128, 256, 4, 2, k_order="subnormal", backend="gluon")
 # gluon_prefill's tile: 96-row blocks (64 + 32 token rows), 256 weight rows in two ping-pong
-# warpgroups, 128-deep steps, 3-slot ring. Picked on the H200 (scripts/kernel_lab/
-# gluon_prefill.py, Humming alongside): against 128 weight rows per program (64 per
-# warpgroup) or 64-deep steps and 4 slots, EP8 T=512 down 314 vs 340-363 µs, T=1024 gate_up
-# 1071 vs 1095-1196; 128-row blocks run out of registers (ptxas serializes the wgmmas).
-GLUON_PREFILL_TILE = W4A16Config(96, 256, 128, 4, 3, k_order="subnormal", backend="gluon")
+# warpgroups that take turns issuing their wgmmas, 128-deep steps, 4-slot ring. Picked on the
+# H200 (scripts/kernel_lab/gluon_prefill.py, Humming alongside): against 128 weight rows per
+# program (64 per warpgroup) or 64-deep steps, EP8 T=512 down 314 vs 340-363 µs, T=1024
+# gate_up 1071 vs 1095-1196 (session 17, 3 slots, no turns); then turns and 4 slots (session
+# 18, gluon_prefill.ORDERED): 0.88-0.98 of the 3-slot tile's time (EP8 down T=512-1024:
+# 1.00-1.02); 64-deep steps with 6-8 slots lost (1.05-1.39 of this tile's time); 128-row blocks
+# run out of registers (ptxas serializes the wgmmas).
+GLUON_PREFILL_TILE = W4A16Config(96, 256, 128, 4, 4, k_order="subnormal", backend="gluon")
 
 
 def touched_experts(num_experts: int, num_routes: float) -> float:
@@ -182,20 +185,38 @@ def _gluon_decode_fits(n: int, k: int, gated: bool) -> bool:
 
 def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = False) -> bool:
     """Whether ``choose_row_tiles`` takes the Gluon 96-row tile (given an sm_90 GPU and
-    subnormal weights): 64-90 or 128-180 rows per expert, where 96-row blocks pad less than
-    the Triton tiles (85 rows: one block of 96 instead of 128; 171: two of 96, as 128 + 64),
-    K a multiple of 128 and at least 2048, N at least 2048 in whole 256-row tiles. Measured on
-    the H200 (scripts/kernel_lab/gluon_prefill.py, EP8): T=512 (85 rows) gate_up 0.89 and down
-    0.84 of the Triton tiles' time, T=1024 (171) 0.90 / 0.97; at 43 rows (T=256, where the
-    Triton tile is 64 rows) 1.32 / 1.27. 97-128 rows would take two blocks of 96 for one of
-    128, and N < 2048 (TP8 gate_up) was not measured.
+    subnormal weights): over 64 rows per expert where 96-row blocks pad at most 5% more rows
+    than the Triton tiles would (``_triton_padded_rows``), K a multiple of 128 and at least
+    2048, N at least 512 in whole 256-row tiles. So 85 rows take one block of 96 instead of
+    128, 171 two of 96 as 128 + 64, 341 four as three of 128, 1365 fifteen against eleven of
+    128 (2% more); 97-128 rows (two blocks of 96 for one of 128), 150 rows for K > N (192
+    against 128 + 32) and 200 keep the Triton tiles. Measured on the H200, same process
+    (scripts/kernel_lab/gluon_prefill.py, session 18, one or two runs), as a fraction of the
+    Triton tiles' time: EP8 T=512 (85 rows) gate_up 0.85-0.89, down 0.82-0.84; T=1024 (171)
+    0.82-0.92 / 0.93; T=2048 (341) 0.97-1.00 / 0.89-0.99; T=8192 (1365) 0.94 / 0.87; TP8
+    gate_up T=8192 (171 rows, N=512) 0.80. At 43 rows (T=256, the Triton tile 64 rows) 96-row
+    blocks ran 1.20-1.33 and 64-row ones 1.06-1.07 (gate_up), 0.93-0.96 (down).
 
     :param n: output features (with ``gated``, ``silu_mul``: per half; a tile then covers 128)
     """
     out_n = GLUON_PREFILL_TILE.block_n // (2 if gated else 1)
-    window = 64 < rows_per_expert <= 90 or 128 < rows_per_expert <= 180
-    return (window and k % GLUON_PREFILL_TILE.block_k == 0 and k >= 2048 and n >= 2048
-            and n % out_n == 0)
+    bm = GLUON_PREFILL_TILE.block_m
+    pads_less = (math.ceil(rows_per_expert / bm) * bm
+                 <= 1.05 * _triton_padded_rows(rows_per_expert, n, k))
+    return (rows_per_expert > 64 and pads_less and k % GLUON_PREFILL_TILE.block_k == 0
+            and k >= 2048 and n >= 512 and n % out_n == 0)
+
+
+def _triton_padded_rows(rows_per_expert: float, n: int, k: int) -> int:
+    """Rows an expert of ``rows_per_expert`` rows computes in ``choose_row_tiles``' Triton
+    blocks: one ``_block_m_for`` block up to 128, 128 + the 64/32-row remainder blocks up to
+    256, then whole 128-row blocks."""
+    if rows_per_expert <= 128:
+        return _block_m_for(rows_per_expert)
+    if rows_per_expert > 256:
+        return 128 * math.ceil(rows_per_expert / 128)
+    step = 32 if k > n else 64  # (128, 64, 32) or (128, 64)
+    return 128 + step * math.ceil((rows_per_expert - 128) / step)
 
 
 def _block_m_for(rows_per_expert: float) -> int:

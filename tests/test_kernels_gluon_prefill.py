@@ -21,7 +21,7 @@ from test_kernels_gluon import (_problem, _sass, check_fused_moe_tile, check_gra
 
 
 def test_prefill_tile_config_and_label():
-    assert GLUON_PREFILL_TILE.label == "96,256,128,4,3,Z,G"
+    assert GLUON_PREFILL_TILE.label == "96,256,128,4,4,Z,G"
     assert choose_config(85.3, 4096, 7168, block_m=96, w_order="subnormal") == GLUON_PREFILL_TILE
     fused = choose_config(85.3, 2048, 7168, block_m=96, gated=True, w_order="subnormal")
     assert fused.block_n == 128  # output columns per half: still 256 weight rows
@@ -54,8 +54,13 @@ def test_split_rows():
     ("fused EP8 T=512", 85.3, 2048, 7168, True, (7168, 2048), (96,)),
     ("EP8 T=256: 43 rows, lost", 42.7, 4096, 7168, False, None, (64,)),
     ("110 rows: two blocks of 96 for one of 128", 110.0, 4096, 7168, False, None, (128,)),
-    ("EP8 T=2048: 341 rows", 341.3, 4096, 7168, False, None, (128,)),
-    ("TP8 gate_up T=8192: N=512 not measured", 170.7, 512, 7168, False, None, (128, 64, 32)),
+    ("150 rows: 192 against 128 + 32", 150.0, 4096, 7168, False, None, (128, 64, 32)),
+    ("150 rows, down: 192 against 128 + 64", 150.0, 7168, 2048, False, None, (96,)),
+    ("200 rows: 288 against 224", 200.0, 4096, 7168, False, None, (128, 64, 32)),
+    ("EP8 T=2048: 341 rows", 341.3, 4096, 7168, False, None, (96,)),
+    ("EP8 down T=8192: 1440 against 1408 rows", 1365.3, 7168, 2048, False, None, (96,)),
+    ("TP8 gate_up T=8192: N=512", 170.7, 512, 7168, False, None, (96,)),
+    ("TP8 gate_up T=2048: 43 rows", 42.7, 512, 7168, False, None, (64,)),
     ("fused TP8 T=8192: down K=256", 170.7, 256, 7168, True, (7168, 256), (128, 64, 32)),
 ])
 def test_choose_row_tiles_takes_the_prefill_tile_where_it_won(row, rows_per_expert, n, k, gated,
@@ -70,6 +75,7 @@ def test_choose_row_tiles_takes_the_prefill_tile_where_it_won(row, rows_per_expe
 def test_gluon_prefill_applies_needs_whole_tiles_and_deep_k():
     assert gluon_prefill_applies(85.3, 4096, 7168)
     assert not gluon_prefill_applies(85.3, 4096 + 128, 7168)  # half a 256-row tile
+    assert not gluon_prefill_applies(85.3, 256, 7168)  # N < 512
     assert gluon_prefill_applies(85.3, 2048 + 128, 7168, gated=True)  # 128 per half
     assert not gluon_prefill_applies(85.3, 4096, 1024)  # K < 2048
     assert not gluon_prefill_applies(85.3, 4096, 7168 + 64)  # not whole 128-deep steps

@@ -42,9 +42,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from chordq.kernels.gluon_prefill import (_mma_layout, _mma_steps, _ring_barriers, _rows_ptrs,
-                                          _store, _words_smem_layout, _x_ptrs, _x_ring,
-                                          moe_gemm_indexed_gluon_prefill)
+from chordq.kernels.gluon_prefill import (ORDERED, _mma_layout, _mma_steps, _ring_barriers,
+                                          _rows_ptrs, _store, _words_smem_layout, _x_ptrs,
+                                          _x_ring, moe_gemm_indexed_gluon_prefill)
 from chordq.kernels.gluon_w4a16 import (_cp_async, _dequant, _operand_layouts,
                                         compile_kernel_sm90)
 
@@ -64,7 +64,7 @@ def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty, num_steps,
                                    num_steps, BN, BK, BT0, BT1, STAGES, num_warps)
     else:  # the shipped tile's loop (kernels/gluon_prefill.py)
         acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, BN,
-                                BK, BT0, BT1, STAGES, num_warps)
+                                BK, BT0, BT1, STAGES, num_warps, ready, -1)
     return acc0, acc1
 
 
@@ -206,7 +206,8 @@ def parse_tile(text: str) -> tuple[int, ...]:
 
 
 # the shipped ping-pong tile (kernels/gluon_prefill.py): BM (96: 64 + 32 rows), BK, STAGES
-PP_TILES = [tuple(int(v) for v in t.split(","))
+# and ORDER (1: the consumers take turns issuing wgmmas; default: the shipped choice)
+PP_TILES = [tuple(int(v) for v in (t + f",{int(ORDERED)}").split(",")[:4])
             for t in os.environ.get("PREFILL_PP", "96,128,3").split()]
 PREFILL_TILES = [parse_tile(t) for t in os.environ.get(
     "PREFILL_TILES", "128,64,128,0,4,8,4 128,64,64,32,4,8,4 128,64,64,32,4,8,4,2 "
@@ -253,14 +254,14 @@ def gpu_main() -> None:
                 prefill_gemm(c.x, c.wf, c.sf, *a, nb, c.p.top_k, out, bn=t[0], bk=t[1],
                              bt0=t[2], bt1=t[3], stages=t[4], warps=t[5], lw=t[6], a_smem=t[7],
                              ctas=t[8], lregs=t[9]))
-        for bm, bk, stages in PP_TILES:  # the shipped ping-pong tile (kernels/gluon_prefill.py)
+        for bm, bk, stages, order in PP_TILES:  # the shipped ping-pong tile
             for gated in (False, True) if c.proj == "gate_up" else (False,):
-                add(f"pp {bm}x{bk} s{stages}" + (" fused" if gated else ""), bm,
-                    lambda out, a, nb, t=(bm, bk, stages), gated=gated:
+                add(f"pp {bm}x{bk} s{stages}" + " o" * order + (" fused" if gated else ""), bm,
+                    lambda out, a, nb, t=(bm, bk, stages, order), gated=gated:
                     moe_gemm_indexed_gluon_prefill(
                         c.x, c.wf, c.sf, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb,
                         block_m=t[0], block_n=128 if gated else 256, block_k=t[1],
-                        num_stages=t[2], gated=gated),
+                        num_stages=t[2], gated=gated, order=bool(t[3])),
                     act="silu_mul" if gated else None)
 
     contest.run(ROWS, os.environ.get("PREFILL_T", ""),
@@ -276,7 +277,8 @@ def profile_main(proj: str, tokens: int, tile: str) -> None:
     from chordq.kernels.triton_config import choose_row_tiles
     from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
 
-    t = parse_tile(tile)
+    pp = tile.startswith("pp:")
+    t = tuple(int(v) for v in tile[3:].split(",")) if pp else parse_tile(tile)
     p = next(q for q in LAYOUTS["EP8"] if q.proj == proj)
     wf, sf = convert_weights(*make_weights(p, 0, "cuda"), "subnormal")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -284,9 +286,16 @@ def profile_main(proj: str, tokens: int, tile: str) -> None:
     topk = topk.to(torch.int32)
     x = torch.randn(p.input_rows(tokens), p.k, generator=gen, device="cuda").to(torch.bfloat16)
     out = torch.empty(8 * tokens, p.n, dtype=torch.bfloat16, device="cuda")
-    a = moe_align_block_size(topk, t[2] + t[3], p.num_experts)
+    block = t[0] if pp else t[2] + t[3]
+    a = moe_align_block_size(topk, block, p.num_experts)
     for _ in range(4):
-        prefill_gemm(x, wf, sf, a[0], a[1], a[2], int(a[2][0]) // (t[2] + t[3]), p.top_k, out,
+        if pp:
+            moe_gemm_indexed_gluon_prefill(x, wf, sf, *a, p.top_k, out, num_routes=8 * tokens,
+                                           grid_m=int(a[2][0]) // block, block_m=t[0],
+                                           block_n=256, block_k=t[1], num_stages=t[2],
+                                           gated=False, order=bool(t[3]))
+            continue
+        prefill_gemm(x, wf, sf, a[0], a[1], a[2], int(a[2][0]) // block, p.top_k, out,
                      bn=t[0], bk=t[1], bt0=t[2], bt1=t[3], stages=t[4], warps=t[5], lw=t[6],
                      a_smem=t[7], ctas=t[8], lregs=t[9])
     pieces = align_row_tiles(topk, choose_row_tiles(8 * tokens / p.num_experts, p.n, p.k),
