@@ -60,7 +60,7 @@ WGR = gl.constexpr(128)  # weight rows per consumer warpgroup
 CONSUMER_REGS = 216  # per consumer thread; the loader gets the rest of 168 x 12 warps (72)
 # The consumers take turns issuing their wgmmas (_mma_steps' ME). Turns and 4 ring slots
 # against neither (3 slots), H200, same process (scripts/kernel_lab/gluon_prefill.py, session
-# 18): 0.88-0.98 of the time on EP8 T=256-8192 and TP8 gate_up T=8192, but EP8 down T=512 and
+# 18): 0.88-0.99 of the time on EP8 T=256-8192 and TP8 gate_up T=8192, but EP8 down T=512 and
 # 1024 (1.00-1.02); 4 slots alone 0.92-1.05, turns alone (3 slots) 0.92-1.03.
 ORDERED = True
 

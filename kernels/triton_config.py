@@ -148,7 +148,7 @@ GLUON_DECODE_TILE = W4A16Config(8, 128, 256, 4, 2, k_order="subnormal", backend=
 # H200 (scripts/kernel_lab/gluon_prefill.py, Humming alongside): against 128 weight rows per
 # program (64 per warpgroup) or 64-deep steps, EP8 T=512 down 314 vs 340-363 µs, T=1024
 # gate_up 1071 vs 1095-1196 (session 17, 3 slots, no turns); then turns and 4 slots (session
-# 18, gluon_prefill.ORDERED): 0.88-0.98 of the 3-slot tile's time (EP8 down T=512-1024:
+# 18, gluon_prefill.ORDERED): 0.88-0.99 of the 3-slot tile's time (EP8 down T=512-1024:
 # 1.00-1.02); 64-deep steps with 6-8 slots lost (1.05-1.39 of this tile's time); 128-row blocks
 # run out of registers (ptxas serializes the wgmmas).
 GLUON_PREFILL_TILE = W4A16Config(96, 256, 128, 4, 4, k_order="subnormal", backend="gluon")
