@@ -104,13 +104,35 @@ def test_sm90_build_is_warp_specialized_wgmma_without_spills(gated):
     assert "STL" not in sass and "LDL" not in sass
 
 
+def test_sm90_build_takes_turns_at_the_tensor_cores():
+    """The shipped build (``gluon_prefill.ORDERED``) has each consumer wait for its turn
+    before its wgmmas and hand the turn on after them: one more mbarrier wait and one more
+    arrive per consumer than the build without turns (on Triton 3.6 the arrive sits between
+    the last HGMMA and the wait for it; 3.9's serialized build waits first)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from chordq.kernels import gluon_prefill
+
+    assert gluon_prefill.ORDERED
+    turns = _sass(gluon_prefill.compile_sm90())
+    plain = _sass(gluon_prefill.compile_sm90(order=False))
+
+    def arrives(sass):
+        return len(re.findall(r"SYNCS\.ARRIVE\.TRANS64\.A1T0", sass))
+
+    def waits(sass):
+        return len(re.findall(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT", sass))
+
+    assert arrives(turns) == arrives(plain) + 2
+    assert waits(turns) > waits(plain)
+
+
 # ----------------------------------------------------------------------------- on the GPU
 
 
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
 @pytest.mark.parametrize("e, n, k, m, top_k, local", [
     (4, 512, 2048, 100, 2, None),  # 16 K steps; 50 rows per expert: one partial 96-row block
-    (3, 256, 384, 150, 2, None),  # 3 K steps (one full ring turn); 2 blocks, second partial
+    (3, 256, 384, 150, 2, None),  # 3 K steps (under the ring's 4 slots); 2 blocks, 1 partial
     (4, 512, 1024, 60, 4, 3),  # expert_map: a remote expert (id -1), its rows untouched
 ], ids=["16-steps", "3-steps", "remote"])
 @needs_sm90
