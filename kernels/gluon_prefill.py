@@ -53,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gluon_w4a16 import _cp_async, _dequant, _operand_layouts, compile_kernel_sm90
+from .triton_config import GLUON_PREFILL_TILE
 
 __all__ = ["compile_sm90", "moe_gemm_indexed_gluon_prefill", "split_rows"]
 
@@ -343,9 +344,12 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
     return out
 
 
-def compile_sm90(block_m: int = 96, block_k: int = 128, num_stages: int = 3,
-                 gated: bool = False, top_k: int = 8, order: bool = ORDERED):
-    """The tile built for sm_90 on the CPU (``gluon_w4a16.compile_kernel_sm90``: tests, lab)."""
+def compile_sm90(block_m: int = GLUON_PREFILL_TILE.block_m,
+                 block_k: int = GLUON_PREFILL_TILE.block_k,
+                 num_stages: int = GLUON_PREFILL_TILE.num_stages, gated: bool = False,
+                 top_k: int = 8, order: bool = ORDERED):
+    """The tile built for sm_90 on the CPU (``gluon_w4a16.compile_kernel_sm90``: tests, lab);
+    by default the shipped one (``triton_config.GLUON_PREFILL_TILE``, ``ORDERED``)."""
     return compile_kernel_sm90(_w4a16_prefill_kernel,
                                _launch_options(top_k, block_m, block_k, num_stages, gated, order),
                                maxnreg=_MAXNREG)

@@ -208,15 +208,11 @@ def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = 
 
 
 def _triton_padded_rows(rows_per_expert: float, n: int, k: int) -> int:
-    """Rows an expert of ``rows_per_expert`` rows computes in ``choose_row_tiles``' Triton
-    blocks: one ``_block_m_for`` block up to 128, 128 + the 64/32-row remainder blocks up to
-    256, then whole 128-row blocks."""
-    if rows_per_expert <= 128:
-        return _block_m_for(rows_per_expert)
-    if rows_per_expert > 256:
-        return 128 * math.ceil(rows_per_expert / 128)
-    step = 32 if k > n else 64  # (128, 64, 32) or (128, 64)
-    return 128 + step * math.ceil((rows_per_expert - 128) / step)
+    """Rows an expert of ``rows_per_expert`` rows computes in ``_triton_row_tiles``' blocks:
+    ``align.mixed_tiles`` covers the rows by halving sizes, so the rows round up to the
+    smallest size."""
+    small = min(_triton_row_tiles(rows_per_expert, n, k))
+    return small * math.ceil(rows_per_expert / small)
 
 
 def _block_m_for(rows_per_expert: float) -> int:
@@ -385,6 +381,12 @@ def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool 
         if (gluon_prefill_applies(rows_per_expert, n, k, gated)
                 and (down is None or gluon_prefill_applies(rows_per_expert, *down))):
             return (96,)
+    return _triton_row_tiles(rows_per_expert, n, k, interpret)
+
+
+def _triton_row_tiles(rows_per_expert: float, n: int, k: int,
+                      interpret: bool = False) -> tuple[int, ...]:
+    """``choose_row_tiles`` without the Gluon tiles."""
     if interpret or not 128 < rows_per_expert <= 256:
         return (_block_m_for(rows_per_expert),)
     return (128, 64, 32) if k > n else (128, 64)

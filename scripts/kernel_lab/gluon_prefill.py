@@ -20,10 +20,11 @@ GPU only (no interpreter); the CPU compiles the lockstep tiles for sm_90 (Triton
 PYTHONPATH): ``python scripts/kernel_lab/gluon_prefill.py --sass`` prints loop lengths,
 registers and spills. On the GPU: ``OUT=/tmp/lab [GLUON_HUMMING=.whl] [PREFILL_T="256 512"]
 [PREFILL_TILES="BN,BK,BT0,BT1,STAGES,WARPS,LW[,A_SMEM[,CTAS[,LREGS]]] ..."]
-[PREFILL_PP="BM,BK,STAGES ..."] python scripts/kernel_lab/gluon_prefill.py`` checks every tile
-against the reference (cos_diff; fused SiLU-and-mul too for the ping-pong tile) and times it
-against the shipped Triton tiles (and Humming), interleaved CUDA graphs. ``--profile PROJ T
-TILE`` runs one lockstep tile and the Triton tiles for ``ncu_prefill.sh`` / ``ncu_source.sh``.
+[PREFILL_PP="BM,BK,STAGES[,ORDER] ..."] python scripts/kernel_lab/gluon_prefill.py`` checks
+every tile against the reference (cos_diff; fused SiLU-and-mul too for the ping-pong tile) and
+times it against the shipped Triton tiles (and Humming), interleaved CUDA graphs. ``--profile
+PROJ T TILE`` runs one lockstep tile (or ``pp:BM,BK,STAGES[,ORDER]``, the ping-pong one) and
+the Triton tiles for ``ncu_prefill.sh`` / ``ncu_source.sh``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from chordq.kernels.gluon_prefill import (ORDERED, _mma_layout, _mma_steps, _rin
                                           _x_ring, moe_gemm_indexed_gluon_prefill)
 from chordq.kernels.gluon_w4a16 import (_cp_async, _dequant, _operand_layouts,
                                         compile_kernel_sm90)
+from chordq.kernels.triton_config import GLUON_PREFILL_TILE
 
 
 @gluon.jit
@@ -205,10 +207,17 @@ def parse_tile(text: str) -> tuple[int, ...]:
     return tuple(v + [0, 1, 56][len(v) - 7:])
 
 
-# the shipped ping-pong tile (kernels/gluon_prefill.py): BM (96: 64 + 32 rows), BK, STAGES
-# and ORDER (1: the consumers take turns issuing wgmmas; default: the shipped choice)
-PP_TILES = [tuple(int(v) for v in (t + f",{int(ORDERED)}").split(",")[:4])
-            for t in os.environ.get("PREFILL_PP", "96,128,3").split()]
+def parse_pp(text: str) -> tuple[int, int, int, int]:
+    """The ping-pong tile (kernels/gluon_prefill.py) as ``BM,BK,STAGES[,ORDER]``: BM (96:
+    64 + 32 rows), ORDER 1 where the consumers take turns issuing wgmmas (default: the shipped
+    choice, ``ORDERED``)."""
+    bm, bk, stages, order = (int(v) for v in (text + f",{int(ORDERED)}").split(",")[:4])
+    return bm, bk, stages, order
+
+
+PP_TILES = [parse_pp(t) for t in os.environ.get("PREFILL_PP", ",".join(
+    str(v) for v in (GLUON_PREFILL_TILE.block_m, GLUON_PREFILL_TILE.block_k,
+                     GLUON_PREFILL_TILE.num_stages))).split()]
 PREFILL_TILES = [parse_tile(t) for t in os.environ.get(
     "PREFILL_TILES", "128,64,128,0,4,8,4 128,64,64,32,4,8,4 128,64,64,32,4,8,4,2 "
     "256,64,64,0,4,8,4 256,64,128,0,3,8,4 256,64,64,32,3,8,4 128,64,64,0,4,8,4,2").split()]
@@ -278,7 +287,7 @@ def profile_main(proj: str, tokens: int, tile: str) -> None:
     from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
 
     pp = tile.startswith("pp:")
-    t = tuple(int(v) for v in tile[3:].split(",")) if pp else parse_tile(tile)
+    t = parse_pp(tile[3:]) if pp else parse_tile(tile)
     p = next(q for q in LAYOUTS["EP8"] if q.proj == proj)
     wf, sf = convert_weights(*make_weights(p, 0, "cuda"), "subnormal")
     gen = torch.Generator(device="cuda").manual_seed(0)
