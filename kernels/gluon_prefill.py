@@ -24,6 +24,14 @@ warp-specialize this loop; Gluon states the partitions:
   (ping-pong). Without the turns both issued at once and their wgmmas shared the tensor
   cores, so both then dequantized at once too.
 
+The launch is persistent (``PERSISTENT``): one program per SM walks the tiles ``t = program,
+program + programs, ..`` (tile ``t``: row block ``t // grid_n``, weight-row tile ``t %
+grid_n``, the order a one-tile-per-program grid would run them in), all three partitions in
+the same order; the ring's slots and phases and the turns run on across tiles, so the loader
+fills the next tile's first slots while the consumers finish and store the last one (with
+one program per tile, each tile's first fill and last stores overlapped nothing: EP8 down has
+16 K steps a tile).
+
 Each step retires its own wgmmas before the next step's dequantization: wgmma reads its
 register operand while in flight, and ptxas reuses those registers for the next step's
 values (seen on the H200: wrong results with 128 token rows and one wgmma group left in
@@ -32,8 +40,9 @@ flight, ``scripts/kernel_lab/gluon_prefill.py``).
 Measured on the H200 against the shipped Triton tiles and Humming 0.1.19, same process
 (``scripts/kernel_lab/gluon_prefill.py``, session 18): of the Triton tiles' time, EP8 T=512
 gate_up 0.85 and down 0.84, T=1024 0.82 / 0.93, T=2048 0.97 / 0.89, T=8192 0.94 / 0.87, TP8
-gate_up T=8192 0.80; it loses at 43 rows per expert (T=256). Where it runs:
-``triton_config.gluon_prefill_applies``.
+gate_up T=8192 0.80; it loses at 43 rows per expert (T=256). Persistent against one program
+per tile (session 19, same process): EP8 down 0.89-0.94, gate_up 0.94-1.00, TP8 gate_up
+T=8192 0.96. Where it runs: ``triton_config.gluon_prefill_applies``.
 
 GPU only (no interpreter); ``gluon_w4a16.gluon_ready`` says whether it can run. Built by
 Triton 3.6 (the H200's) a step's 32 wgmmas issue as one group; Triton 3.9's build (ptxas
@@ -41,6 +50,10 @@ C7511, "insufficient register resources") serializes them, correct but slower, n
 """
 
 from __future__ import annotations
+
+import functools
+
+import torch
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -64,6 +77,10 @@ CONSUMER_REGS = 216  # per consumer thread; the loader gets the rest of 168 x 12
 # 18): 0.88-0.99 of the time on EP8 T=256-8192 and TP8 gate_up T=8192, but EP8 down T=512 and
 # 1024 (1.00-1.02); 4 slots alone 0.92-1.05, turns alone (3 slots) 0.92-1.03.
 ORDERED = True
+# One program per SM walks its share of the tiles (module docstring); False: one program per
+# tile. H200, same process (session 19): EP8 down T=512-8192 0.89-0.94 of the time per tile,
+# gate_up 0.94-1.00 (T=512: 1.00), TP8 gate_up T=8192 0.96.
+PERSISTENT = True
 
 
 def split_rows(block_m: int) -> tuple[int, int]:
@@ -155,38 +172,58 @@ def _rows_ptrs(w_ptr, s_ptr, expert, n_g, N, K, ROWS: gl.constexpr, BK: gl.const
 
 
 @gluon.jit
-def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
-            x_ptr, w_ptr, s_ptr, sorted_ids_ptr, row0, expert, n0, OUT_W, N, K, num_routes,
-            stride_xm, TOP_K: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
-            BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
-            num_warps: gl.constexpr):
-    w0_ptrs, s0_ptrs = _rows_ptrs(w_ptr, s_ptr, expert, n0, N, K, WGR, BK, GATED, num_warps)
-    w1_ptrs, s1_ptrs = _rows_ptrs(w_ptr, s_ptr, expert, n0 + OUT_W, N, K, WGR, BK, GATED,
-                                  num_warps)
-    x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0, BK,
-                      num_warps)
-    if BT1 > 0:
-        x1_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0 + BT0, num_routes, stride_xm, TOP_K, BT1,
-                          BK, num_warps)
-    for i in range(num_steps):
-        slot = i % STAGES
-        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # both warpgroups are done
-        _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)
-        if BT1 > 0:
-            _cp_async(x1_bufs.index(slot), x1_ptrs + i * BK)
-        _cp_async(w0_bufs.index(slot), w0_ptrs + i * (BK // 8))
-        _cp_async(s0_bufs.index(slot), s0_ptrs + i * (BK // 32))
-        _cp_async(w1_bufs.index(slot), w1_ptrs + i * (BK // 8))
-        _cp_async(s1_bufs.index(slot), s1_ptrs + i * (BK // 32))
-        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+def _tile_count(ntp_ptr, grid_n, grid_m, BT: gl.constexpr):
+    """Tiles of this launch: ``grid_n`` weight-row tiles for each of the row blocks that hold
+    routes (``moe_align_block_size``'s padded count), at most ``grid_m`` of them."""
+    return gl.minimum(gl.cdiv(gl.load(ntp_ptr), BT), grid_m) * grid_n
 
 
 @gluon.jit
-def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, ROWS: gl.constexpr,
-               BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr, STAGES: gl.constexpr,
-               num_warps: gl.constexpr, turn, ME: gl.constexpr):
+def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
+            x_ptr, w_ptr, s_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
+            OUT_W, N, K, num_routes, stride_xm, TOP_K: gl.constexpr, BK: gl.constexpr,
+            BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
+            num_warps: gl.constexpr):
+    """Fills the ring for every tile of this program in turn, so the next tile's first slots
+    fill while the consumers finish and store the last one."""
+    BT: gl.constexpr = BT0 + BT1
+    g = 0  # ring position: steps loaded by this program so far
+    for t in range(gl.program_id(0), _tile_count(ntp_ptr, grid_n, grid_m, BT),
+                   gl.num_programs(0)):
+        expert = gl.load(expert_ids_ptr + t // grid_n)
+        if expert >= 0:
+            n0 = (t % grid_n) * (2 * OUT_W)
+            row0 = (t // grid_n) * BT
+            w0_ptrs, s0_ptrs = _rows_ptrs(w_ptr, s_ptr, expert, n0, N, K, WGR, BK, GATED,
+                                          num_warps)
+            w1_ptrs, s1_ptrs = _rows_ptrs(w_ptr, s_ptr, expert, n0 + OUT_W, N, K, WGR, BK,
+                                          GATED, num_warps)
+            x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0,
+                              BK, num_warps)
+            if BT1 > 0:
+                x1_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0 + BT0, num_routes, stride_xm,
+                                  TOP_K, BT1, BK, num_warps)
+            for i in range(num_steps):
+                slot = g % STAGES
+                mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)  # both are done
+                _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)
+                if BT1 > 0:
+                    _cp_async(x1_bufs.index(slot), x1_ptrs + i * BK)
+                _cp_async(w0_bufs.index(slot), w0_ptrs + i * (BK // 8))
+                _cp_async(s0_bufs.index(slot), s0_ptrs + i * (BK // 32))
+                _cp_async(w1_bufs.index(slot), w1_ptrs + i * (BK // 8))
+                _cp_async(s1_bufs.index(slot), s1_ptrs + i * (BK // 32))
+                async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+                g += 1
+
+
+@gluon.jit
+def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
+               ROWS: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr,
+               STAGES: gl.constexpr, num_warps: gl.constexpr, turn, ME: gl.constexpr):
     """A consumer's K loop over ROWS weight rows: ``[ROWS, BT0]`` and ``[ROWS, BT1]``
     accumulators; each step retires its own wgmmas (module docstring) and frees its slot.
+    ``g0``: the ring position of the first step (steps this program consumed before).
 
     ``ME`` 0 or 1 (two consumers): the consumers take turns issuing a step's wgmmas
     (``turn``: two mbarriers, each consumer arrives on the other's after issuing), so one's
@@ -202,14 +239,15 @@ def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, ROWS: 
         acc1 = gl.zeros([ROWS, BT1], gl.float32, mma1)
     gl.assume(num_steps > 0)  # no zero-trip path: ptxas keeps the wgmmas of a step together
     for i in range(num_steps):
-        slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        g = g0 + i
+        slot = g % STAGES
+        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
         w = w_bufs.index(slot).load(w_l)
         s = s_bufs.index(slot).load(gl.SliceLayout(2, s3_l))
         a = _dequant(w, s, s3_l, ROWS, BK)
         fence_async_shared()  # X arrived by cp.async (generic proxy); wgmma reads it (async)
-        if ME >= 0:  # consumer 0 goes first: step i waits for consumer 1's step i - 1
-            mbarrier.wait(turn.index(ME), (i & 1) ^ (1 - ME))
+        if ME >= 0:  # consumer 0 goes first: step g waits for consumer 1's step g - 1
+            mbarrier.wait(turn.index(ME), (g & 1) ^ (1 - ME))
         a0 = gl.convert_layout(a, a0_l, assert_trivial=True)
         acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
         if BT1 > 0:
@@ -256,56 +294,63 @@ def _store(acc, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, BN:
 
 @gluon.jit
 def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
-              sorted_ids_ptr, row0, n_out, num_routes, stride_om, BK: gl.constexpr,
-              BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
-              ME: gl.constexpr):
-    acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, WGR, BK,
-                            BT0, BT1, STAGES, 4, turn, ME)
-    _store(acc0, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, WGR, BT0, GATED, 4)
-    if BT1 > 0:
-        _store(acc1, out_ptr, sorted_ids_ptr, row0 + BT0, n_out, num_routes, stride_om, WGR, BT1,
-               GATED, 4)
+              sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m, n_off, OUT_W,
+              num_routes, stride_om, BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr,
+              GATED: gl.constexpr, STAGES: gl.constexpr, ME: gl.constexpr):
+    """One warpgroup's rows (output columns ``n_off..`` of each tile) for every tile of this
+    program, in the loader's order."""
+    BT: gl.constexpr = BT0 + BT1
+    g = 0
+    for t in range(gl.program_id(0), _tile_count(ntp_ptr, grid_n, grid_m, BT),
+                   gl.num_programs(0)):
+        if gl.load(expert_ids_ptr + t // grid_n) >= 0:
+            acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g,
+                                    num_steps, WGR, BK, BT0, BT1, STAGES, 4, turn, ME)
+            g += num_steps
+            n_out = (t % grid_n) * (2 * OUT_W) + n_off
+            row0 = (t // grid_n) * BT
+            _store(acc0, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, WGR, BT0,
+                   GATED, 4)
+            if BT1 > 0:
+                _store(acc1, out_ptr, sorted_ids_ptr, row0 + BT0, n_out, num_routes, stride_om,
+                       WGR, BT1, GATED, 4)
 
 
 @gluon.jit
 def _w4a16_prefill_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
-                          N, K, num_routes, stride_xm, stride_om,
+                          N, K, num_routes, stride_xm, stride_om, grid_n, grid_m,
                           TOP_K: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
                           BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
                           CREGS: gl.constexpr, ORDER: gl.constexpr, num_warps: gl.constexpr):
-    """One (``BT0 + BT1``-row block, 256-weight-row tile) over all of K."""
-    BT: gl.constexpr = BT0 + BT1
+    """Tiles ``t = program, program + programs, ..``: (``BT0 + BT1``-row block ``t //
+    grid_n``, 256-weight-row tile ``t % grid_n``), each over all of K."""
     OUT_W: gl.constexpr = WGR // 2 if GATED else WGR  # output columns per warpgroup
-    pid_n = gl.program_id(0)
-    pid_b = gl.program_id(1)
-    expert = gl.load(expert_ids_ptr + pid_b)
-    if (pid_b * BT < gl.load(ntp_ptr)) & (expert >= 0):
-        w_sl: gl.constexpr = _words_smem_layout(BK)
-        s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        w0_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
-        w1_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
-        s0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
-        s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
-        x0_bufs, x1_bufs = _x_ring(STAGES, BT0, BT1, BK)
-        ready, empty = _ring_barriers(STAGES, 32 * num_warps, 2)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for t in gl.static_range(2):
-            mbarrier.init(turn.index(t), count=1)
-        n0 = pid_n * (2 * OUT_W)
-        row0 = pid_b * BT
-        num_steps = K // BK
-        gl.warp_specialize([
-            (_loader, (w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty,
-                       num_steps, x_ptr, w_ptr, s_ptr, sorted_ids_ptr, row0, expert, n0, OUT_W,
-                       N, K, num_routes, stride_xm, TOP_K, BK, BT0, BT1, GATED, STAGES,
-                       num_warps)),
-            (_consumer, (w0_bufs, s0_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps,
-                         out_ptr, sorted_ids_ptr, row0, n0, num_routes, stride_om, BK, BT0, BT1,
-                         GATED, STAGES, 0 if ORDER else -1)),
-            (_consumer, (w1_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps,
-                         out_ptr, sorted_ids_ptr, row0, n0 + OUT_W, num_routes, stride_om, BK,
-                         BT0, BT1, GATED, STAGES, 1 if ORDER else -1)),
-        ], [4, 4], [CREGS, CREGS])
+    w_sl: gl.constexpr = _words_smem_layout(BK)
+    s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    w0_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
+    w1_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
+    s0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
+    s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
+    x0_bufs, x1_bufs = _x_ring(STAGES, BT0, BT1, BK)
+    ready, empty = _ring_barriers(STAGES, 32 * num_warps, 2)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(2):
+        mbarrier.init(turn.index(t), count=1)
+    num_steps = K // BK
+    gl.warp_specialize([
+        (_loader, (w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
+                   x_ptr, w_ptr, s_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
+                   OUT_W, N, K, num_routes, stride_xm, TOP_K, BK, BT0, BT1, GATED, STAGES,
+                   num_warps)),
+        (_consumer, (w0_bufs, s0_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
+                     sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m, 0, OUT_W,
+                     num_routes, stride_om, BK, BT0, BT1, GATED, STAGES,
+                     0 if ORDER else -1)),
+        (_consumer, (w1_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
+                     sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m, OUT_W, OUT_W,
+                     num_routes, stride_om, BK, BT0, BT1, GATED, STAGES,
+                     1 if ORDER else -1)),
+    ], [4, 4], [CREGS, CREGS])
 
 
 _MAXNREG = 168  # 12 warps (loader + two consumer warpgroups), one CTA per SM: 65536 / 384
@@ -321,10 +366,12 @@ def _launch_options(top_k: int, block_m: int, block_k: int, num_stages: int,
 def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, expert_ids,
                                    num_tokens_post_padded, top_k, out, *, num_routes, grid_m,
                                    block_m, block_n, block_k, num_stages, gated,
-                                   order: bool = ORDERED):
+                                   order: bool = ORDERED, programs: int | None = None):
     """Launch the prefill tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
     (subnormal weights, ``block_m``-row alignment) and calls this for its configs
-    (``triton_config.GLUON_PREFILL_TILE``). ``block_n``: output columns per program."""
+    (``triton_config.GLUON_PREFILL_TILE``). ``block_n``: output columns per tile.
+    ``programs``: how many persistent programs share the ``grid_m x N / block_n`` tiles; by
+    default one per SM (``PERSISTENT``), 0 for one program per tile."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
     if block_n != (WGR.value if gated else 2 * WGR.value):
@@ -335,13 +382,19 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
                          f"== 0, got K={k}, N={n}")
     if x.stride(1) != 1 or x.stride(0) % 8:
         raise ValueError("the Gluon prefill tile needs X rows contiguous and 16-byte aligned")
-    if grid_m > 65535:  # the grid's second dimension
-        raise ValueError(f"{grid_m} row blocks: the Gluon prefill tile takes at most 65535")
+    tiles = n // block_n * grid_m
+    if programs is None:
+        programs = _sm_count(x.device) if PERSISTENT else 0
     opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order)
-    _w4a16_prefill_kernel[(n // block_n, grid_m)](
+    _w4a16_prefill_kernel[(min(tiles, programs or tiles),)](
         x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
-        num_routes, x.stride(0), out.stride(0), maxnreg=_MAXNREG, **opts)
+        num_routes, x.stride(0), out.stride(0), n // block_n, grid_m, maxnreg=_MAXNREG, **opts)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def compile_sm90(block_m: int = GLUON_PREFILL_TILE.block_m,

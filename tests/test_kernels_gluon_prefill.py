@@ -142,6 +142,26 @@ def test_prefill_tile_matches_the_reference(e, n, k, m, top_k, local, activation
     check_indexed_tile(96, e, n, k, m, top_k, local, activation, config=cfg)
 
 
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@pytest.mark.parametrize("e, n, k, m, top_k, local", [
+    (4, 512, 2048, 300, 2, None),  # 150 rows per expert: 8 blocks x 2 tiles over 3 programs
+    (4, 512, 384, 300, 2, None),  # 3 K steps a tile: the ring wraps inside a tile
+    (4, 512, 1024, 200, 4, 3),  # a remote expert's blocks skipped in the middle of the walk
+], ids=["16-steps", "3-steps", "remote"])
+@needs_sm90
+def test_prefill_tile_walks_more_tiles_than_programs(monkeypatch, e, n, k, m, top_k, local,
+                                                     activation):
+    """The persistent launch (``gluon_prefill.PERSISTENT``) with 3 programs, as on a GPU with
+    3 SMs: each walks several tiles, the ring's slots and the turns' phases carry across them."""
+    from chordq.kernels import gluon_prefill
+
+    monkeypatch.setattr(gluon_prefill, "_sm_count", lambda device: 3)
+    assert gluon_prefill.PERSISTENT
+    cfg = choose_config(m * top_k / e, n // 2 if activation else n, k, block_m=96,
+                        gated=activation is not None, w_order="subnormal")
+    check_indexed_tile(96, e, n, k, m, top_k, local, activation, config=cfg)
+
+
 @needs_sm90
 def test_fused_moe_prefill_takes_the_prefill_tile():
     check_fused_moe_tile(8, 2048, 2048, 85, 5, 96)  # 85 rows per expert, as EP8 T=512

@@ -20,10 +20,12 @@ GPU only (no interpreter); the CPU compiles the lockstep tiles for sm_90 (Triton
 PYTHONPATH): ``python scripts/kernel_lab/gluon_prefill.py --sass`` prints loop lengths,
 registers and spills. On the GPU: ``OUT=/tmp/lab [GLUON_HUMMING=.whl] [PREFILL_T="256 512"]
 [PREFILL_TILES="BN,BK,BT0,BT1,STAGES,WARPS,LW[,A_SMEM[,CTAS[,LREGS]]] ..."]
-[PREFILL_PP="BM,BK,STAGES[,ORDER] ..."] python scripts/kernel_lab/gluon_prefill.py`` checks
+[PREFILL_PP="BM,BK,STAGES[,ORDER[,PERSIST]] ..."] python scripts/kernel_lab/gluon_prefill.py``
+checks
 every tile against the reference (cos_diff; fused SiLU-and-mul too for the ping-pong tile) and
 times it against the shipped Triton tiles (and Humming), interleaved CUDA graphs. ``--profile
-PROJ T TILE`` runs one lockstep tile (or ``pp:BM,BK,STAGES[,ORDER]``, the ping-pong one) and
+PROJ T TILE`` runs one lockstep tile (or ``pp:BM,BK,STAGES[,ORDER[,PERSIST]]``, the ping-pong
+one) and
 the Triton tiles for ``ncu_prefill.sh`` / ``ncu_source.sh``.
 """
 
@@ -43,9 +45,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from chordq.kernels.gluon_prefill import (ORDERED, _mma_layout, _mma_steps, _ring_barriers,
-                                          _rows_ptrs, _store, _words_smem_layout, _x_ptrs,
-                                          _x_ring, moe_gemm_indexed_gluon_prefill)
+from chordq.kernels.gluon_prefill import (ORDERED, PERSISTENT, _mma_layout, _mma_steps,
+                                          _ring_barriers, _rows_ptrs, _sm_count, _store,
+                                          _words_smem_layout, _x_ptrs, _x_ring,
+                                          moe_gemm_indexed_gluon_prefill)
 from chordq.kernels.gluon_w4a16 import (_cp_async, _dequant, _operand_layouts,
                                         compile_kernel_sm90)
 from chordq.kernels.triton_config import GLUON_PREFILL_TILE
@@ -65,8 +68,8 @@ def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty, num_steps,
         acc0, acc1 = _a_smem_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty,
                                    num_steps, BN, BK, BT0, BT1, STAGES, num_warps)
     else:  # the shipped tile's loop (kernels/gluon_prefill.py)
-        acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, num_steps, BN,
-                                BK, BT0, BT1, STAGES, num_warps, ready, -1)
+        acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, 0, num_steps,
+                                BN, BK, BT0, BT1, STAGES, num_warps, ready, -1)
     return acc0, acc1
 
 
@@ -207,12 +210,13 @@ def parse_tile(text: str) -> tuple[int, ...]:
     return tuple(v + [0, 1, 56][len(v) - 7:])
 
 
-def parse_pp(text: str) -> tuple[int, int, int, int]:
-    """The ping-pong tile (kernels/gluon_prefill.py) as ``BM,BK,STAGES[,ORDER]``: BM (96:
-    64 + 32 rows), ORDER 1 where the consumers take turns issuing wgmmas (default: the shipped
-    choice, ``ORDERED``)."""
-    bm, bk, stages, order = (int(v) for v in (text + f",{int(ORDERED)}").split(",")[:4])
-    return bm, bk, stages, order
+def parse_pp(text: str) -> tuple[int, int, int, int, int]:
+    """The ping-pong tile (kernels/gluon_prefill.py) as ``BM,BK,STAGES[,ORDER[,PERSIST]]``: BM
+    (96: 64 + 32 rows), ORDER 1 where the consumers take turns issuing wgmmas, PERSIST 1 for
+    one program per SM walking the tiles, 0 for one per tile (defaults: the shipped choices,
+    ``ORDERED`` and ``PERSISTENT``)."""
+    v = [int(x) for x in text.split(",")]
+    return tuple(v + [int(ORDERED), int(PERSISTENT)][len(v) - 3:])
 
 
 PP_TILES = [parse_pp(t) for t in os.environ.get("PREFILL_PP", ",".join(
@@ -263,14 +267,16 @@ def gpu_main() -> None:
                 prefill_gemm(c.x, c.wf, c.sf, *a, nb, c.p.top_k, out, bn=t[0], bk=t[1],
                              bt0=t[2], bt1=t[3], stages=t[4], warps=t[5], lw=t[6], a_smem=t[7],
                              ctas=t[8], lregs=t[9]))
-        for bm, bk, stages, order in PP_TILES:  # the shipped ping-pong tile
+        for bm, bk, stages, order, persist in PP_TILES:  # the shipped ping-pong tile
             for gated in (False, True) if c.proj == "gate_up" else (False,):
-                add(f"pp {bm}x{bk} s{stages}" + " o" * order + (" fused" if gated else ""), bm,
-                    lambda out, a, nb, t=(bm, bk, stages, order), gated=gated:
+                add(f"pp {bm}x{bk} s{stages}" + " o" * order + " p" * persist
+                    + (" fused" if gated else ""), bm,
+                    lambda out, a, nb, t=(bm, bk, stages, order, persist), gated=gated:
                     moe_gemm_indexed_gluon_prefill(
                         c.x, c.wf, c.sf, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb,
                         block_m=t[0], block_n=128 if gated else 256, block_k=t[1],
-                        num_stages=t[2], gated=gated, order=bool(t[3])),
+                        num_stages=t[2], gated=gated, order=bool(t[3]),
+                        programs=_sm_count(c.x.device) if t[4] else 0),
                     act="silu_mul" if gated else None)
 
     contest.run(ROWS, os.environ.get("PREFILL_T", ""),
@@ -302,7 +308,8 @@ def profile_main(proj: str, tokens: int, tile: str) -> None:
             moe_gemm_indexed_gluon_prefill(x, wf, sf, *a, p.top_k, out, num_routes=8 * tokens,
                                            grid_m=int(a[2][0]) // block, block_m=t[0],
                                            block_n=256, block_k=t[1], num_stages=t[2],
-                                           gated=False, order=bool(t[3]))
+                                           gated=False, order=bool(t[3]),
+                                           programs=_sm_count(x.device) if t[4] else 0)
             continue
         prefill_gemm(x, wf, sf, a[0], a[1], a[2], int(a[2][0]) // block, p.top_k, out,
                      bn=t[0], bk=t[1], bt0=t[2], bt1=t[3], stages=t[4], warps=t[5], lw=t[6],
