@@ -79,20 +79,26 @@ def moe_align_block_size(
 def mixed_tiles(counts: torch.Tensor, block_sizes: tuple[int, ...]) -> torch.Tensor:
     """Rows per expert covered by each tile size: ``[len(block_sizes), E]``, padded.
 
-    ``block_sizes`` descend by halving (e.g. ``(128, 64, 32)``). Each expert takes full tiles of
-    the largest size, then covers its remainder with at most one tile of each smaller size
-    (the binary digits of the remainder rounded up to the smallest size), unless that fills as
-    many rows as one more large tile, which is then taken instead (fewer, better-amortized
-    tiles). 85 rows with ``(128, 64, 32)``: 64 + 32 (96 rows) instead of 128; 170: 128 + 64.
+    ``block_sizes`` descend, and all but the first halve one to the next (``(128, 64, 32)``,
+    or ``(96, 32)``: the Gluon prefill tile with a Triton remainder tile). Each expert takes
+    full tiles of the largest size, then covers its remainder with at most one tile of each
+    smaller size (the binary digits of the remainder rounded up to the smallest size), unless
+    the remainder is more than the smaller sizes cover together, which then takes one more
+    large tile (fewer, better-amortized tiles). 85 rows with ``(128, 64, 32)``: 64 + 32 (96
+    rows) instead of 128; 170: 128 + 64. With ``(96, 32)``: 85 rows one 96, 100 rows 96 + 32,
+    130 rows two 96.
     """
     big, small = block_sizes[0], block_sizes[-1]
-    if any(a != 2 * b for a, b in itertools.pairwise(block_sizes)):
-        raise ValueError(f"block sizes must halve one to the next, got {block_sizes}")
+    chain = block_sizes[1:]
+    if (any(a != 2 * b for a, b in itertools.pairwise(chain))
+            or chain and (big <= chain[0] or big % small)):
+        raise ValueError(f"block sizes must descend, the smaller ones halving one to the next "
+                         f"and dividing the largest, got {block_sizes}")
     full = counts // big
     rest = -(-(counts - full * big) // small) * small  # remainder rounded up to `small`
-    whole = rest == big
+    whole = rest > sum(chain)
     full, rest = full + whole, torch.where(whole, 0, rest)
-    rows = [full * big] + [rest & s for s in block_sizes[1:]]
+    rows = [full * big] + [rest & s for s in chain]
     return torch.stack(rows)
 
 
@@ -111,7 +117,7 @@ def moe_align_mixed(
     ``moe_align_block_size`` buffers (the other sizes' routes masked to -1) trimmed to their
     live blocks. One indexed GEMM launch per size then writes disjoint output rows.
 
-    :param block_sizes: descending by halving, e.g. ``(128, 64, 32)``
+    :param block_sizes: as for ``mixed_tiles``, e.g. ``(128, 64, 32)`` or ``(96, 32)``
     :returns: ``[(block_size, (sorted_token_ids, expert_ids, num_tokens_post_padded)), ...]``,
         largest size first, sizes without routes left out
     """

@@ -544,8 +544,9 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
                                                          p.num_experts, dev, opts.w_order,
                                                          gated=gated), p.num_experts)
             labels = [indexed_config(rows, p.num_experts, n_out, p.k, bm, activation=act,
-                                     w_order=opts.w_order, device=dev).label
-                      for bm, _ in pieces]
+                                     w_order=opts.w_order, device=dev,
+                                     live_blocks=a[1].numel()).label
+                      for bm, a in pieces]
             out = torch.empty(rows, n_out, dtype=torch.bfloat16, device=dev)
             res.update(config=" + ".join(labels), block_m=pieces[0][0])
 

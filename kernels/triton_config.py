@@ -357,8 +357,9 @@ def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool 
                      down: tuple[int, int] | None = None) -> tuple[int, ...]:
     """Row-tile sizes for ``align.moe_align_mixed``: ``(8,)``, the Gluon decode tile, where
     ``gluon_decode_applies``; ``(96,)``, the Gluon prefill tile, where
-    ``gluon_prefill_applies``; ``(128, 64, 32)`` for K > N, ``(128, 64)`` otherwise, at 128-256
-    rows per expert; elsewhere the one ``choose_config`` block.
+    ``gluon_prefill_applies`` (``(96, 32)`` for K > N up to 96 rows per expert: a remainder of
+    up to 32 rows goes to the 32-row Triton tile); ``(128, 64, 32)`` for K > N, ``(128, 64)``
+    otherwise, at 128-256 rows per expert; elsewhere the one ``choose_config`` block.
 
     :param gluon_experts: the local expert count when the Gluon tiles can run (an sm_90 GPU and
         subnormal weights: ``gluon_w4a16.gluon_ready``), else 0
@@ -373,6 +374,14 @@ def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool 
     (128 + 64), TP8 gate_up T=8192 1384.7 -> 1197.1 (128 + 64 + 32), EP8 gate_up T=1024 1297.3
     -> 1242.9; at 85 rows (64 + 32 instead of 128) and 341 rows it lost or tied, the smaller
     tiles costing more per row than the padding they save.
+
+    At 85 rows per expert (EP8 T=512) a tenth of the experts hold more than 96 rows, a few
+    more each, and their second 96-row block costs as much as a full one (the Gluon tile's time
+    is mostly dequantization and weight reads, not wgmmas); a 32-row Triton block for those
+    rows instead (one more launch, on a few experts): gate_up 0.92-0.93 of ``(96,)``'s time
+    (fused 0.95-0.96), down 1.01-1.03 (its K = 2048 gives the extra launch less to hide
+    behind), 171 rows (T=1024) 1.00-1.04 (scripts/kernel_lab/gluon_prefill.py
+    ``PREFILL_MIXED``, session 19). Hence K > N and at most 96 rows per expert only.
     """
     if gluon_experts and not interpret:
         if (gluon_decode_applies(rows_per_expert, n, k, gluon_experts, num_sms, gated)
@@ -380,7 +389,7 @@ def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool 
             return (8,)
         if (gluon_prefill_applies(rows_per_expert, n, k, gated)
                 and (down is None or gluon_prefill_applies(rows_per_expert, *down))):
-            return (96,)
+            return (96, 32) if k > n and rows_per_expert <= 96 else (96,)
     return _triton_row_tiles(rows_per_expert, n, k, interpret)
 
 

@@ -903,11 +903,16 @@ def indexed_config(
     config: W4A16Config | None = None,
     w_order: str = "checkpoint",
     device: torch.device | str = "cuda",
+    live_blocks: int | None = None,
 ) -> W4A16Config:
     """The config ``moe_gemm_indexed_triton`` launches with: ``config`` or the heuristic's,
     with the split-K factor decided (heuristic only) and trimmed so that no split is empty.
 
     :param n: output features (after ``silu_mul``: N_w / 2)
+    :param live_blocks: the alignment's block count (``expert_ids.numel()``): it caps the
+        busy-block estimate where the alignment is trimmed to its live blocks, as
+        ``align.moe_align_mixed``'s remainder pieces are (a few experts' last rows); an
+        untrimmed alignment holds more blocks than the estimate, so it changes nothing there
     """
     device = torch.device(device)
     gated = _gated(activation)
@@ -920,6 +925,7 @@ def indexed_config(
         # experts hit by num_routes uniform draws, times blocks per expert
         touched = triton_config.touched_experts(num_experts, num_routes)
         busy_blocks = round(touched) * max(1, round(num_routes / num_experts / cfg.block_m))
+        busy_blocks = min(busy_blocks, live_blocks or busy_blocks)
         if cfg.n_tiles > 1:
             per = choose_n_tiles(cfg, busy_blocks, n, _num_sms(device))
             return dataclasses.replace(cfg, n_tiles=per)
@@ -986,7 +992,8 @@ def moe_gemm_indexed_triton(
     # and tokens few (TP8 at T = 1: 8 live of ~360 blocks).
     grid_m = min(num_m_blocks, num_routes)
     cfg = indexed_config(num_routes, w_packed.shape[0], n, k, block_m, activation=activation,
-                         config=config, w_order=w_order, device=x.device)
+                         config=config, w_order=w_order, device=x.device,
+                         live_blocks=num_m_blocks)
     n_tiles = triton.cdiv(n, cfg.block_n)
     if grid_m * n_tiles == 0:
         return out

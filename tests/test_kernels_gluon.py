@@ -163,8 +163,8 @@ def check_indexed_tile(block, e, n, k, m, top_k, local, activation, config=None)
 
 
 def check_fused_moe_tile(e, h, i, m, seed, block):
-    """``fused_moe`` on a problem whose row tiles are ``(block,)`` (asserted, as ``fused_moe``
-    asks for them) against the reference."""
+    """``fused_moe`` on a problem whose row tiles are ``(block,)`` (or the tuple ``block``;
+    asserted, as ``fused_moe`` asks for them) against the reference."""
     from chordq.kernels import fused_moe, fused_moe_reference, prepare_weights, route
     from chordq.kernels.triton_w4a16 import row_tiles
 
@@ -177,7 +177,7 @@ def check_fused_moe_tile(e, h, i, m, seed, block):
     logits = torch.randn(m, e, generator=g).cuda()
     topk_w, topk_ids = route(logits, torch.zeros(e, device="cuda"), 8, 2.5)
     assert row_tiles(m * 8 / e, i, h, e, x.device, "subnormal", gated=True,
-                     down=(h, i)) == (block,)
+                     down=(h, i)) == (block if isinstance(block, tuple) else (block,))
     want = fused_moe_reference(x, w13, s13, w2, s2, topk_w, topk_ids)
     *weights, w_order = prepare_weights(w13, s13, w2, s2)
     got = fused_moe(x, *weights, topk_w, topk_ids, w_order=w_order)

@@ -48,10 +48,10 @@ def test_split_rows():
 
 
 @pytest.mark.parametrize("row, rows_per_expert, n, k, gated, down, want", [
-    ("EP8 gate_up T=512", 85.3, 4096, 7168, False, None, (96,)),
+    ("EP8 gate_up T=512: a 32-row remainder tile", 85.3, 4096, 7168, False, None, (96, 32)),
     ("EP8 down T=512", 85.3, 7168, 2048, False, None, (96,)),
     ("EP8 gate_up T=1024", 170.7, 4096, 7168, False, None, (96,)),
-    ("fused EP8 T=512", 85.3, 2048, 7168, True, (7168, 2048), (96,)),
+    ("fused EP8 T=512", 85.3, 2048, 7168, True, (7168, 2048), (96, 32)),
     ("EP8 T=256: 43 rows, lost", 42.7, 4096, 7168, False, None, (64,)),
     ("110 rows: two blocks of 96 for one of 128", 110.0, 4096, 7168, False, None, (128,)),
     ("150 rows: 192 against 128 + 32", 150.0, 4096, 7168, False, None, (128, 64, 32)),
@@ -165,6 +165,13 @@ def test_prefill_tile_walks_more_tiles_than_programs(monkeypatch, e, n, k, m, to
 @needs_sm90
 def test_fused_moe_prefill_takes_the_prefill_tile():
     check_fused_moe_tile(8, 2048, 2048, 85, 5, 96)  # 85 rows per expert, as EP8 T=512
+
+
+@needs_sm90
+def test_fused_moe_prefill_takes_a_remainder_tile_where_k_exceeds_n():
+    # 85 rows per expert on average, one expert 103 (seed 2): 96 in the Gluon tile, 7 in a
+    # 32-row Triton block, for both GEMMs
+    check_fused_moe_tile(16, 2304, 2048, 170, 2, (96, 32))
 
 
 @needs_sm90

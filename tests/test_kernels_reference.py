@@ -190,8 +190,21 @@ def test_mixed_tiles_cover_each_expert_with_least_padding():
     ]
     assert (rows.sum(0) >= counts).all() and (rows.sum(0) - counts < 32).all()
     assert mixed_tiles(counts, (64,)).tolist() == [(-(-counts // 64) * 64).tolist()]
-    with pytest.raises(ValueError, match="halve"):
-        mixed_tiles(counts, (128, 32))
+    for bad in ((64, 64), (32, 64), (96, 64), (96, 32, 8)):
+        with pytest.raises(ValueError, match="halving"):
+            mixed_tiles(counts, bad)
+
+
+def test_mixed_tiles_take_a_small_remainder_tile_under_the_gluon_96():
+    """(96, 32): a remainder of up to 32 rows takes a 32-row tile, a larger one another 96."""
+    counts = torch.tensor([0, 1, 32, 33, 85, 96, 97, 128, 129, 200, 300])
+    rows = mixed_tiles(counts, (96, 32))
+    assert rows.tolist() == [
+        [0, 0, 0, 96, 96, 96, 96, 96, 192, 192, 288],
+        [0, 32, 32, 0, 0, 0, 32, 32, 0, 32, 32],
+    ]
+    assert (rows.sum(0) >= counts).all()
+    assert mixed_tiles(counts, (96, 32, 16))[1:].sum(0).max() <= 48
 
 
 @pytest.mark.parametrize("sizes", [(64, 32, 16), (32, 16), (16,)])

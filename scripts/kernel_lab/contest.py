@@ -79,7 +79,8 @@ def run(rows, only: str, out_json: str, contestants, extra_weights=None) -> list
                 x, outputs=out, sorted_ids=h_aligned[0], expert_ids=h_aligned[1],
                 num_tokens_padded=h_aligned[2], top_k=p.top_k,
                 compute_config=H.HUMMING_COMPUTE_CONFIG, tuning_config=cfg_json))
-        ctx = SimpleNamespace(p=p, proj=proj, x=x, wf=wf, sf=sf, extra=extra, rows=n_rows)
+        ctx = SimpleNamespace(p=p, proj=proj, x=x, wf=wf, sf=sf, extra=extra, rows=n_rows,
+                              topk=topk)
         contestants(ctx, add)
 
         errors, cos, wants = {}, {}, {}

@@ -20,12 +20,11 @@ GPU only (no interpreter); the CPU compiles the lockstep tiles for sm_90 (Triton
 PYTHONPATH): ``python scripts/kernel_lab/gluon_prefill.py --sass`` prints loop lengths,
 registers and spills. On the GPU: ``OUT=/tmp/lab [GLUON_HUMMING=.whl] [PREFILL_T="256 512"]
 [PREFILL_TILES="BN,BK,BT0,BT1,STAGES,WARPS,LW[,A_SMEM[,CTAS[,LREGS]]] ..."]
-[PREFILL_PP="BM,BK,STAGES[,ORDER[,PERSIST]] ..."] python scripts/kernel_lab/gluon_prefill.py``
-checks
-every tile against the reference (cos_diff; fused SiLU-and-mul too for the ping-pong tile) and
-times it against the shipped Triton tiles (and Humming), interleaved CUDA graphs. ``--profile
-PROJ T TILE`` runs one lockstep tile (or ``pp:BM,BK,STAGES[,ORDER[,PERSIST]]``, the ping-pong
-one) and
+[PREFILL_PP="BM,BK,STAGES[,ORDER[,PERSIST]] ..."] [PREFILL_MIXED="96,32 ..."] python
+scripts/kernel_lab/gluon_prefill.py`` checks every tile against the reference (cos_diff;
+fused SiLU-and-mul too for the ping-pong tile and the mixed sizes) and times it against the
+shipped Triton tiles (and Humming), interleaved CUDA graphs. ``--profile PROJ T TILE`` runs
+one lockstep tile (or ``pp:BM,BK,STAGES[,ORDER[,PERSIST]]``, the ping-pong one) and
 the Triton tiles for ``ncu_prefill.sh`` / ``ncu_source.sh``.
 """
 
@@ -51,7 +50,9 @@ from chordq.kernels.gluon_prefill import (ORDERED, PERSISTENT, _mma_layout, _mma
                                           moe_gemm_indexed_gluon_prefill)
 from chordq.kernels.gluon_w4a16 import (_cp_async, _dequant, _operand_layouts,
                                         compile_kernel_sm90)
+from chordq.kernels.align import align_row_tiles
 from chordq.kernels.triton_config import GLUON_PREFILL_TILE
+from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
 
 
 @gluon.jit
@@ -249,6 +250,8 @@ def sass_main() -> None:
               "; ".join(sass.ptxas_verdict(kern)))
 
 
+# PREFILL_MIXED="96,32 ...": row-tile sizes for align.moe_align_mixed (96: the Gluon tile)
+MIXED = [tuple(int(v) for v in t.split(",")) for t in os.environ.get("PREFILL_MIXED", "").split()]
 ROWS = ([("EP8", proj, t) for t in (256, 512, 1024, 2048, 8192) for proj in ("gate_up", "down")]
         + [("TP8", "gate_up", t) for t in (2048, 8192)])
 
@@ -279,6 +282,15 @@ def gpu_main() -> None:
                         programs=_sm_count(c.x.device) if t[4] else 0),
                     act="silu_mul" if gated else None)
 
+        for sizes in MIXED:  # the shipped tiles' launches over moe_align_mixed pieces
+            pieces = align_row_tiles(c.topk, sizes, c.p.num_experts)
+            for gated in (False, True) if c.proj == "gate_up" else (False,):
+                act = "silu_mul" if gated else None
+                add("mixed " + "+".join(map(str, sizes)) + (" fused" if gated else ""),
+                    sizes[0], lambda out, a, nb, pieces=pieces, act=act: moe_gemm_mixed_triton(
+                        c.x, c.wf, c.sf, pieces, c.p.top_k, activation=act, out=out,
+                        w_order="subnormal"), act=act)
+
     contest.run(ROWS, os.environ.get("PREFILL_T", ""),
                 os.path.join(os.environ.get("OUT", "/tmp/lab"), "gluon_prefill.json"),
                 contestants)
@@ -287,10 +299,9 @@ def gpu_main() -> None:
 def profile_main(proj: str, tokens: int, tile: str) -> None:
     """Four launches of one Gluon tile, then four of the shipped Triton tiles (EP8), for
     ``ncu --kernel-name`` to pick one of each (``scripts/kernel_lab/ncu_prefill.sh``)."""
-    from chordq.kernels.align import align_row_tiles, moe_align_block_size
+    from chordq.kernels.align import moe_align_block_size
     from chordq.kernels.bench_humming import LAYOUTS, convert_weights, make_weights
     from chordq.kernels.triton_config import choose_row_tiles
-    from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
 
     pp = tile.startswith("pp:")
     t = parse_pp(tile[3:]) if pp else parse_tile(tile)

@@ -73,7 +73,8 @@ def main() -> None:
             outs[name] = out
             info[name] = ([int(a[1].numel()) for _, a in pieces],
                           [indexed_config(rows, p.num_experts, n_out, p.k, size, activation=act,
-                                          w_order="subnormal").label for size, _ in pieces])
+                                          w_order="subnormal", live_blocks=a[1].numel()).label
+                           for size, a in pieces])
         for name, t in time_graphs(fns, 5, B.GRAPH_CALLS).items():
             blocks, labels = info[name]
             r = {"layout": layout, "proj": proj, "T": tokens, "act": act, "variant": name,
