@@ -150,7 +150,8 @@ GLUON_DECODE_TILE = W4A16Config(8, 128, 256, 4, 2, k_order="subnormal", backend=
 # gate_up 1071 vs 1095-1196 (session 17, 3 slots, no turns); then turns and 4 slots (session
 # 18, gluon_prefill.ORDERED): 0.88-0.99 of the 3-slot tile's time (EP8 down T=512-1024:
 # 1.00-1.02); 64-deep steps with 6-8 slots lost (1.05-1.39 of this tile's time); 128-row blocks
-# run out of registers (ptxas serializes the wgmmas).
+# run out of registers (ptxas serializes the wgmmas). Launched persistent (session 19,
+# gluon_prefill.PERSISTENT: EP8 down 0.89-0.94 of one program per tile).
 GLUON_PREFILL_TILE = W4A16Config(96, 256, 128, 4, 4, k_order="subnormal", backend="gluon")
 
 
@@ -334,6 +335,13 @@ def _choose(rows_per_expert: float, n: int, k: int, gated: bool, block_m: int | 
                                k_order="fragments")
         # 64-deep steps keep a wgmma group in flight (sm_90 SASS, scripts/kernel_lab/sass.py);
         # 128-deep steps wait for every wgmma
+        if k % 512:
+            # Wrong on the H200 at K = 2304 (NaN in most rows, as fragments and with small
+            # scales alike; right at K = 2048, right as 128 x 128 x 64 or 128-deep x 3 stages,
+            # and right under the interpreter): cause not found (session 19), so the 128-deep
+            # steps that were right there
+            return W4A16Config(bm, min(64, max_bn), _largest_dividing(k, 128), 4, 3,
+                               k_order="fragments")
         return W4A16Config(bm, min(64, max_bn), _largest_dividing(k, 64), 4, 4,
                            k_order="fragments")
     if bm == 64 and k > n:

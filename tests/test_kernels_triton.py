@@ -158,6 +158,20 @@ def test_indexed_matches_reference(device, m, top_k, e, used, n, k, gated):
     check_rows(got, want, (flat >= 0) & (flat != 1))
 
 
+@pytest.mark.parametrize("device", DEVICES[1:])
+@pytest.mark.parametrize("w_order", ["checkpoint", "fragments"])
+@pytest.mark.parametrize("k", [2048, 2304])
+def test_indexed_heuristic_gated_128_row_tile(device, w_order, k):
+    """The heuristic's fused gate_up tile for 128-row blocks (as at 120 rows per expert) at K = 2048
+    and at K = 2304, where the fragment tile's 64-deep 4-stage form gave NaN on the H200
+    (triton_config)."""
+    cfg = choose_config(120, 2048, k, gated=True, block_m=128, w_order=w_order)
+    if w_order == "fragments":
+        assert cfg.block_k == (64 if k == 2048 else 128)
+    check_indexed_with_remote_expert(device, cfg, 60, 4, 8, 4096, k, remote=3,
+                                     activation="silu_mul")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=str)
 def test_indexed_gpu_tile_shapes(device, cfg):
