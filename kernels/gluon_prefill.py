@@ -366,12 +366,12 @@ def _launch_options(top_k: int, block_m: int, block_k: int, num_stages: int,
 def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, expert_ids,
                                    num_tokens_post_padded, top_k, out, *, num_routes, grid_m,
                                    block_m, block_n, block_k, num_stages, gated,
-                                   order: bool = ORDERED, programs: int | None = None):
+                                   order: bool = ORDERED, persistent: bool = PERSISTENT):
     """Launch the prefill tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
     (subnormal weights, ``block_m``-row alignment) and calls this for its configs
     (``triton_config.GLUON_PREFILL_TILE``). ``block_n``: output columns per tile.
-    ``programs``: how many persistent programs share the ``grid_m x N / block_n`` tiles; by
-    default one per SM (``PERSISTENT``), 0 for one program per tile."""
+    ``persistent``: one program per SM shares the ``grid_m x N / block_n`` tiles (module
+    docstring), else one program per tile."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
     if block_n != (WGR.value if gated else 2 * WGR.value):
@@ -383,10 +383,8 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
     if x.stride(1) != 1 or x.stride(0) % 8:
         raise ValueError("the Gluon prefill tile needs X rows contiguous and 16-byte aligned")
     tiles = n // block_n * grid_m
-    if programs is None:
-        programs = _sm_count(x.device) if PERSISTENT else 0
     opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order)
-    _w4a16_prefill_kernel[(min(tiles, programs or tiles),)](
+    _w4a16_prefill_kernel[(min(tiles, _sm_count(x.device)) if persistent else tiles,)](
         x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
         num_routes, x.stride(0), out.stride(0), n // block_n, grid_m, maxnreg=_MAXNREG, **opts)
     return out

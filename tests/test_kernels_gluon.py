@@ -162,9 +162,9 @@ def check_indexed_tile(block, e, n, k, m, top_k, local, activation, config=None)
     assert bool((got[~mask] == 7.0).all())  # rows the tile does not own are left as they were
 
 
-def check_fused_moe_tile(e, h, i, m, seed, block):
-    """``fused_moe`` on a problem whose row tiles are ``(block,)`` (or the tuple ``block``;
-    asserted, as ``fused_moe`` asks for them) against the reference. Scales small enough for
+def check_fused_moe_tile(e, h, i, m, seed, tiles):
+    """``fused_moe`` on a problem whose row tiles are ``tiles`` (asserted, as ``fused_moe``
+    asks for them) against the reference. Scales small enough for
     the subnormal weights (asserted), which the Gluon tiles need: with larger ones
     ``prepare_weights`` falls back to fragment order and the Triton tiles."""
     from chordq.kernels import fused_moe, fused_moe_reference, prepare_weights, route
@@ -179,7 +179,7 @@ def check_fused_moe_tile(e, h, i, m, seed, block):
     logits = torch.randn(m, e, generator=g).cuda()
     topk_w, topk_ids = route(logits, torch.zeros(e, device="cuda"), 8, 2.5)
     assert row_tiles(m * 8 / e, i, h, e, x.device, "subnormal", gated=True,
-                     down=(h, i)) == (block if isinstance(block, tuple) else (block,))
+                     down=(h, i)) == tiles
     want = fused_moe_reference(x, w13, s13, w2, s2, topk_w, topk_ids)
     *weights, w_order = prepare_weights(w13, s13, w2, s2)
     assert w_order == "subnormal"
@@ -211,7 +211,7 @@ def test_gluon_tile_matches_the_reference(e, n, k, m, top_k, local, activation):
 
 @needs_sm90
 def test_fused_moe_decode_takes_the_gluon_tile():
-    check_fused_moe_tile(48, 1024, 1024, 4, 3, 8)  # 23 experts x 16 gated tiles: a full grid
+    check_fused_moe_tile(48, 1024, 1024, 4, 3, (8,))  # 23 experts x 16 gated tiles: a full grid
 
 
 @needs_sm90

@@ -164,7 +164,7 @@ def test_prefill_tile_walks_more_tiles_than_programs(monkeypatch, e, n, k, m, to
 
 @needs_sm90
 def test_fused_moe_prefill_takes_the_prefill_tile():
-    check_fused_moe_tile(8, 2048, 2048, 85, 5, 96)  # 85 rows per expert, as EP8 T=512
+    check_fused_moe_tile(8, 2048, 2048, 85, 5, (96,))  # 85 rows per expert, as EP8 T=512
 
 
 @needs_sm90

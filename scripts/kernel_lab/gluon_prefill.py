@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from chordq.kernels.gluon_prefill import (ORDERED, PERSISTENT, _mma_layout, _mma_steps,
-                                          _ring_barriers, _rows_ptrs, _sm_count, _store,
+                                          _ring_barriers, _rows_ptrs, _store,
                                           _words_smem_layout, _x_ptrs, _x_ring,
                                           moe_gemm_indexed_gluon_prefill)
 from chordq.kernels.gluon_w4a16 import (_cp_async, _dequant, _operand_layouts,
@@ -279,7 +279,7 @@ def gpu_main() -> None:
                         c.x, c.wf, c.sf, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb,
                         block_m=t[0], block_n=128 if gated else 256, block_k=t[1],
                         num_stages=t[2], gated=gated, order=bool(t[3]),
-                        programs=_sm_count(c.x.device) if t[4] else 0),
+                        persistent=bool(t[4])),
                     act="silu_mul" if gated else None)
 
         for sizes in MIXED:  # the shipped tiles' launches over moe_align_mixed pieces
@@ -320,7 +320,7 @@ def profile_main(proj: str, tokens: int, tile: str) -> None:
                                            grid_m=int(a[2][0]) // block, block_m=t[0],
                                            block_n=256, block_k=t[1], num_stages=t[2],
                                            gated=False, order=bool(t[3]),
-                                           programs=_sm_count(x.device) if t[4] else 0)
+                                           persistent=bool(t[4]))
             continue
         prefill_gemm(x, wf, sf, a[0], a[1], a[2], int(a[2][0]) // block, p.top_k, out,
                      bn=t[0], bk=t[1], bt0=t[2], bt1=t[3], stages=t[4], warps=t[5], lw=t[6],
