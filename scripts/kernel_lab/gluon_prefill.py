@@ -20,16 +20,26 @@ GPU only (no interpreter); the CPU compiles the lockstep tiles for sm_90 (Triton
 PYTHONPATH): ``python scripts/kernel_lab/gluon_prefill.py --sass`` prints loop lengths,
 registers and spills. On the GPU: ``OUT=/tmp/lab [GLUON_HUMMING=.whl] [PREFILL_T="256 512"]
 [PREFILL_TILES="BN,BK,BT0,BT1,STAGES,WARPS,LW[,A_SMEM[,CTAS[,LREGS]]] ..."]
-[PREFILL_PP="BM,BK,STAGES[,ORDER[,PERSIST]] ..."] [PREFILL_MIXED="96,32 ..."] python
-scripts/kernel_lab/gluon_prefill.py`` checks every tile against the reference (cos_diff;
-fused SiLU-and-mul too for the ping-pong tile and the mixed sizes) and times it against the
-shipped Triton tiles (and Humming), interleaved CUDA graphs. ``--profile PROJ T TILE`` runs
-one lockstep tile (or ``pp:BM,BK,STAGES[,ORDER[,PERSIST]]``, the ping-pong one) and
-the Triton tiles for ``ncu_prefill.sh`` / ``ncu_source.sh``.
+[PREFILL_PP="BM,BK,STAGES[,ORDER[,PERSIST]] ..."] [PREFILL_MIXED="96,32 ..."]
+[PREFILL_AB="gluon_prefill_base ..."] python scripts/kernel_lab/gluon_prefill.py`` checks
+every tile against the reference (cos_diff; fused SiLU-and-mul too for the ping-pong tile and
+the mixed sizes) and times it against the shipped Triton tiles (and Humming), interleaved CUDA
+graphs; ``PREFILL_AB`` names copies of ``kernels/gluon_prefill.py`` (other commits, patched
+variants) whose ping-pong tiles run in the same process, so their ratios share one clock and
+power state (across processes the same tile's time moved by 10%: session 20).
+``--profile PROJ T TILE`` runs one lockstep tile (or ``pp:BM,BK,STAGES[,ORDER[,PERSIST]]``,
+the ping-pong one) and the Triton tiles for ``ncu_prefill.sh`` / ``ncu_source.sh``.
+
+Patches for the ping-pong tile (``git apply``, then run as above): ``patches/ablate.patch``
+(``GLUON_ABLATE`` bits: 1 dequantize once, 2 the loader copies nothing, 4 the consumers skip
+dequantization and wgmmas, 8 / 16 / 32 no scale / word / X copies; timing only, the results
+are wrong) and ``patches/scale_ring.patch`` (variant 32, not shipped).
 """
 
 from __future__ import annotations
 
+import importlib
+import itertools
 import os
 import sys
 
@@ -220,6 +230,12 @@ def parse_pp(text: str) -> tuple[int, int, int, int, int]:
     return tuple(v + [int(ORDERED), int(PERSISTENT)][len(v) - 3:])
 
 
+# PREFILL_AB="gluon_prefill_base ...": copies of kernels/gluon_prefill.py (say, from another
+# commit: git show C:kernels/gluon_prefill.py > kernels/gluon_prefill_base.py) timed in the
+# same process as the shipped one, each ping-pong tile under the copy's name
+PP_COPIES = [("pp", moe_gemm_indexed_gluon_prefill)] + [
+    (m, importlib.import_module(f"chordq.kernels.{m}").moe_gemm_indexed_gluon_prefill)
+    for m in os.environ.get("PREFILL_AB", "").split()]
 PP_TILES = [parse_pp(t) for t in os.environ.get("PREFILL_PP", ",".join(
     str(v) for v in (GLUON_PREFILL_TILE.block_m, GLUON_PREFILL_TILE.block_k,
                      GLUON_PREFILL_TILE.num_stages))).split()]
@@ -271,11 +287,12 @@ def gpu_main() -> None:
                              bt0=t[2], bt1=t[3], stages=t[4], warps=t[5], lw=t[6], a_smem=t[7],
                              ctas=t[8], lregs=t[9]))
         for bm, bk, stages, order, persist in PP_TILES:  # the shipped ping-pong tile
-            for gated in (False, True) if c.proj == "gate_up" else (False,):
-                add(f"pp {bm}x{bk} s{stages}" + " o" * order + " p" * persist
+            for (name, launcher), gated in itertools.product(
+                    PP_COPIES, (False, True) if c.proj == "gate_up" else (False,)):
+                add(f"{name} {bm}x{bk} s{stages}" + " o" * order + " p" * persist
                     + (" fused" if gated else ""), bm,
-                    lambda out, a, nb, t=(bm, bk, stages, order, persist), gated=gated:
-                    moe_gemm_indexed_gluon_prefill(
+                    lambda out, a, nb, t=(bm, bk, stages, order, persist), gated=gated,
+                    launcher=launcher: launcher(
                         c.x, c.wf, c.sf, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb,
                         block_m=t[0], block_n=128 if gated else 256, block_k=t[1],
                         num_stages=t[2], gated=gated, order=bool(t[3]),
