@@ -358,9 +358,9 @@ def _store_tile(out_ptr, acc, acc_up, out_rows, row_mask, offs_n, N, stride_om,
 def _indexed_tile(pid, num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N=0,
                   COLUMNS_FIRST: tl.constexpr = False):
-    """(expert, route ids, valid rows, output columns) of tile ``pid`` of a grid with
-    ``num_m_blocks`` row blocks; expert -1 when there is nothing to do (past
-    ``num_tokens_post_padded``, or an expert on another rank).
+    """(expert, route ids, valid rows, output columns, the rows' slots in ``sorted_ids``) of
+    tile ``pid`` of a grid with ``num_m_blocks`` row blocks; expert -1 when there is nothing
+    to do (past ``num_tokens_post_padded``, or an expert on another rank).
 
     Row blocks vary fastest so the tiles sharing one weight tile run together (L2 reuse);
     with COLUMNS_FIRST the column tiles of one row block do (one expert's weights at a time).
@@ -377,7 +377,7 @@ def _indexed_tile(pid, num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, nu
     expert = tl.where(pid_m * BLOCK_M < ntp, expert, -1)
     offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     routes = tl.load(sorted_ids_ptr + offs, mask=offs < ntp, other=num_routes).to(tl.int64)
-    return expert, routes, routes < num_routes, offs_n
+    return expert, routes, routes < num_routes, offs_n, offs.to(tl.int64)
 
 
 @triton.jit
@@ -385,7 +385,7 @@ def _w4a16_indexed_kernel(
     x_ptr,  # bf16 [num_routes / TOP_K, K]
     w_ptr,  # int32 [E, N_w, K/8]
     s_ptr,  # bf16 [E, N_w, K/32]
-    out_ptr,  # bf16 [num_routes, N]; with SPLIT_K > 1 fp32 partials [SPLIT_K, num_routes, N_w]
+    out_ptr,  # bf16 [num_routes, N]; with SPLIT_K > 1 fp32 partials [SPLIT_K, rows, N_w]
     sorted_ids_ptr,  # int32 [capacity] route ids per block, sentinel >= num_routes
     expert_ids_ptr,  # int32 [num_m_blocks] expert per block, -1 = not local
     ntp_ptr,  # int32 [1] num_tokens_post_padded
@@ -409,8 +409,9 @@ def _w4a16_indexed_kernel(
     SPLIT_K: tl.constexpr,  # > 1: program_id(1) takes every SPLIT_K-th slice of the K steps
     COMPUTE_F32: tl.constexpr,
     COLUMNS_FIRST: tl.constexpr = False,
+    PART_BY_SLOT: tl.constexpr = False,  # partial rows: slots in sorted_ids, not route ids
 ):
-    expert, routes, row_mask, offs_n = _indexed_tile(
+    expert, routes, row_mask, offs_n, slots = _indexed_tile(
         tl.program_id(0), num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
         BLOCK_M, BLOCK_N, N, COLUMNS_FIRST)
     if expert < 0:
@@ -426,8 +427,9 @@ def _w4a16_indexed_kernel(
         _store_tile(out_ptr, acc, acc_up, routes, row_mask, offs_n, N, stride_om, GATED,
                     COMPUTE_F32)
     else:  # FP32 partial sums, gate in columns [0, N), up in [N, 2N); the reduce kernel ends
-        part = out_ptr.to(tl.pointer_type(tl.float32)) + tl.program_id(1) * num_routes * stride_om
-        ptrs = part + routes[None, :] * stride_om + offs_n[:, None]
+        part_rows = num_m_blocks * BLOCK_M if PART_BY_SLOT else num_routes
+        part = out_ptr.to(tl.pointer_type(tl.float32)) + tl.program_id(1) * part_rows * stride_om
+        ptrs = part + (slots if PART_BY_SLOT else routes)[None, :] * stride_om + offs_n[:, None]
         mask = row_mask[None, :] & (offs_n < N)[:, None]
         tl.store(ptrs, acc, mask=mask)
         if GATED:
@@ -445,9 +447,9 @@ def _streamk_piece(tile, first, num, steps, slot, live_m, x_ptr, w_ptr, s_ptr, o
     """K steps ``first .. first + num`` of ``tile`` for the stream-K kernel: a whole tile is
     stored; a cut one is added into boundary ``slot`` of ``parts_ptr`` and stored by the
     second of its two programs to arrive (see ``_w4a16_indexed_streamk_kernel``)."""
-    expert, routes, row_mask, offs_n = _indexed_tile(tile, live_m, ntp_ptr, expert_ids_ptr,
-                                                     sorted_ids_ptr, num_routes, BLOCK_M,
-                                                     BLOCK_N, N, COLUMNS_FIRST)
+    expert, routes, row_mask, offs_n, _ = _indexed_tile(tile, live_m, ntp_ptr, expert_ids_ptr,
+                                                        sorted_ids_ptr, num_routes, BLOCK_M,
+                                                        BLOCK_N, N, COLUMNS_FIRST)
     if expert >= 0:  # both programs of a cut tile skip an expert of another rank alike
         acc, acc_up = _w4a16_tile(x_ptr, routes // TOP_K, row_mask, w_ptr, s_ptr, expert,
                                   offs_n, N, first, num, stride_xm, stride_we, stride_wn,
@@ -591,7 +593,7 @@ def _w4a16_indexed_wide_kernel(
     in flight while one is dequantized (a one-step K loop has nothing to pipeline), and X is
     read once per ``N_TILES`` tiles instead of once per tile."""
     tl.static_assert(not GATED, "the column loop has no SiLU-and-mul epilogue")
-    expert, routes, row_mask, _ = _indexed_tile(
+    expert, routes, row_mask, _, _ = _indexed_tile(
         tl.program_id(0), num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
         BLOCK_M, BLOCK_N)
     if expert < 0:
@@ -620,7 +622,7 @@ def _w4a16_indexed_wide_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(
-    part_ptr,  # fp32 [SPLIT_K, num_routes, N_w] partial sums
+    part_ptr,  # fp32 [SPLIT_K, rows, N_w] partial sums (rows: slots or route ids)
     out_ptr,  # bf16 [num_routes, N]
     sorted_ids_ptr,
     expert_ids_ptr,
@@ -635,23 +637,24 @@ def _split_k_reduce_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
+    PART_BY_SLOT: tl.constexpr = False,
 ):
     """Sum the split-K partials in split order (deterministic) and finish like SPLIT_K == 1.
     Same row blocks as the GEMM, so exactly the rows it owns are written."""
-    expert, routes, row_mask, offs_n = _indexed_tile(
+    expert, routes, row_mask, offs_n, slots = _indexed_tile(
         tl.program_id(0), num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
         BLOCK_M, BLOCK_N)
     if expert < 0:
         return
     mask = row_mask[None, :] & (offs_n < N)[:, None]
-    ptrs = part_ptr + routes[None, :] * stride_pm + offs_n[:, None]
+    ptrs = part_ptr + (slots if PART_BY_SLOT else routes)[None, :] * stride_pm + offs_n[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(0, SPLIT_K):
         acc += tl.load(ptrs, mask=mask, other=0.0)
         if GATED:
             acc_up += tl.load(ptrs + N, mask=mask, other=0.0)
-        ptrs += num_routes * stride_pm
+        ptrs += (num_m_blocks * BLOCK_M if PART_BY_SLOT else num_routes) * stride_pm
     _store_tile(out_ptr, acc, acc_up, routes, row_mask, offs_n, N, stride_om, GATED, COMPUTE_F32)
 
 
@@ -1034,17 +1037,27 @@ def moe_gemm_indexed_triton(
             **_launch_args(cfg, gated, n))
         return out
     n_w = w_packed.shape[1]
-    partials = torch.empty(split, num_routes, n_w, dtype=torch.float32, device=x.device)
+    rows, by_slot = split_k_partial_rows(grid_m, cfg.block_m, num_routes)
+    partials = torch.empty(split, rows, n_w, dtype=torch.float32, device=x.device)
     _w4a16_indexed_kernel[(grid_m * n_tiles, split)](
         x, w_packed, w_scale, partials, sorted_token_ids, expert_ids, num_tokens_post_padded,
         *args, n_w, TOP_K=top_k, SPLIT_K=split, COLUMNS_FIRST=cfg.columns_first,
-        **_launch_args(cfg, gated, n))
+        PART_BY_SLOT=by_slot, **_launch_args(cfg, gated, n))
     reduce_n = min(128, cfg.block_n)
     _split_k_reduce_kernel[(grid_m * triton.cdiv(n, reduce_n),)](
         partials, out, sorted_token_ids, expert_ids, num_tokens_post_padded, num_routes, n,
         grid_m, n_w, out.stride(0), GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=reduce_n,
-        SPLIT_K=split, COMPUTE_F32=_INTERPRETED, num_warps=4)
+        SPLIT_K=split, COMPUTE_F32=_INTERPRETED, PART_BY_SLOT=by_slot, num_warps=4)
     return out
+
+
+def split_k_partial_rows(grid_m: int, block_m: int, num_routes: int) -> tuple[int, bool]:
+    """Rows of the split-K partials and whether they are the grid's slots in ``sorted_ids``
+    (else route ids): whichever are fewer. A piece of a mixed alignment holds a few blocks
+    of all the routes (EP8 T=512's 32-row remainder piece: about 5 blocks, 160 slots against
+    4096 route ids, so 10 MB of FP32 partials at 4 splits instead of 268 MB)."""
+    slots = grid_m * block_m
+    return (slots, True) if slots < num_routes else (num_routes, False)
 
 
 def moe_gemm_mixed_triton(

@@ -224,6 +224,38 @@ def test_indexed_split_k(device, cfg, gated):
                                      activation="silu_mul" if gated else None)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gated", [False, True])
+def test_indexed_split_k_on_a_few_blocks(device, gated):
+    """Split-K on a grid of fewer slots than routes (a piece of a mixed alignment: its first
+    two blocks here) keeps its partials by slot, and writes exactly those blocks' rows."""
+    cfg = W4A16Config(16, 64, 64, 4, 3, k_order="subnormal", split_k=2)
+    m, top_k, e, n, k = 9, 4, 8, 128, 256
+    w, s = random_weights(e, n, k, device)
+    x = randn_bf16(m, k, device=device)
+    sorted_ids, expert_ids, _ = moe_align_block_size(random_topk(m, top_k, e), 16, e)
+    piece = (sorted_ids[:32].to(device), expert_ids[:2].to(device),
+             torch.tensor([32], dtype=torch.int32, device=device))
+    assert triton_w4a16.split_k_partial_rows(2, 16, m * top_k) == (32, True)
+    n_out = n // 2 if gated else n
+    act = "silu_mul" if gated else None
+    out = torch.full((m * top_k, n_out), SENTINEL, dtype=torch.bfloat16, device=device)
+    got = moe_gemm_indexed_triton(x, sorted_token_ids=piece[0], expert_ids=piece[1],
+                                  num_tokens_post_padded=piece[2], top_k=top_k, block_m=16,
+                                  activation=act, config=cfg, out=out,
+                                  **kernel_weights(w, s, cfg))
+    want = moe_gemm_indexed_reference(x, w, s, *piece, top_k, 16, activation=act)
+    owned = torch.zeros(m * top_k, dtype=torch.bool)
+    slots = piece[0].cpu()
+    owned[slots[slots < m * top_k].long()] = True
+    check_rows(got, want, owned)
+
+
+def test_split_k_partials_take_the_fewer_rows():
+    assert triton_w4a16.split_k_partial_rows(5, 32, 4096) == (160, True)  # a remainder piece
+    assert triton_w4a16.split_k_partial_rows(45, 16, 8) == (8, False)  # TP8 T=1: 8 routes
+
+
 # Stream-K with _num_sms() = 1, so stream_k is the program count. The 16x32 tiles make 32 live
 # tiles (8 row blocks, one of them an expert on another rank), the 32x64 ones 16; K = 256 is 4
 # steps of 64. 3 and 5 programs: whole tiles for the full waves, the last two waves cut between
