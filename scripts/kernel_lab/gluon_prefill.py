@@ -33,7 +33,8 @@ the ping-pong one) and the Triton tiles for ``ncu_prefill.sh`` / ``ncu_source.sh
 Patches for the ping-pong tile (``git apply``, then run as above): ``patches/ablate.patch``
 (``GLUON_ABLATE`` bits: 1 dequantize once, 2 the loader copies nothing, 4 the consumers skip
 dequantization and wgmmas, 8 / 16 / 32 no scale / word / X copies; timing only, the results
-are wrong) and ``patches/scale_ring.patch`` (variant 32, not shipped).
+are wrong), ``patches/scale_ring.patch`` (variant 33, not shipped) and
+``patches/tma_words.patch`` (variant 35: the words by TMA; not yet run on a GPU).
 """
 
 from __future__ import annotations
