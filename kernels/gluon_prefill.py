@@ -51,10 +51,6 @@ C7511, "insufficient register resources") serializes them, correct but slower, n
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -67,6 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .gluon_w4a16 import _cp_async, _dequant, _operand_layouts, compile_kernel_sm90
 from .triton_config import GLUON_PREFILL_TILE
+from .triton_w4a16 import _num_sms
 
 __all__ = ["compile_sm90", "moe_gemm_indexed_gluon_prefill", "split_rows"]
 
@@ -384,15 +381,10 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
         raise ValueError("the Gluon prefill tile needs X rows contiguous and 16-byte aligned")
     tiles = n // block_n * grid_m
     opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order)
-    _w4a16_prefill_kernel[(min(tiles, _sm_count(x.device)) if persistent else tiles,)](
+    _w4a16_prefill_kernel[(min(tiles, _num_sms(x.device)) if persistent else tiles,)](
         x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
         num_routes, x.stride(0), out.stride(0), n // block_n, grid_m, maxnreg=_MAXNREG, **opts)
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def compile_sm90(block_m: int = GLUON_PREFILL_TILE.block_m,

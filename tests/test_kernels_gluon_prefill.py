@@ -155,7 +155,7 @@ def test_prefill_tile_walks_more_tiles_than_programs(monkeypatch, e, n, k, m, to
     3 SMs: each walks several tiles, the ring's slots and the turns' phases carry across them."""
     from chordq.kernels import gluon_prefill
 
-    monkeypatch.setattr(gluon_prefill, "_sm_count", lambda device: 3)
+    monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
     assert gluon_prefill.PERSISTENT
     cfg = choose_config(m * top_k / e, n // 2 if activation else n, k, block_m=96,
                         gated=activation is not None, w_order="subnormal")
