@@ -15,44 +15,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _language_namespaces() -> list:
-    try:
-        import triton.language as tl
-    except ImportError:
-        return []
-    try:  # Gluon wraps triton.language.core's builtins when first imported: let it wrap these
-        import chordq.kernels.gluon_prefill  # noqa: F401 - and the Gluon modules it imports
-    except ImportError:
-        pass
-    core = tl.core
-    return [tl, core, tl.math, core.tensor, core.condition, core.dtype,
-            core.tensor_descriptor_base]
-
-
-# Triton's interpreter (3.9, runtime/interpreter.py: InterpretedFunction.__call__) patches
-# triton.language.core's builtins whenever an interpreted kernel calls one of Triton's own @jit
-# helpers (tl.cdiv, tl.sum, ...), and never restores them. Interpreted launches repatch what they
-# need, but a real compile later in the same process (the sm_90 build tests) then lowers through
-# the interpreter's builder and fails, as does Gluon if first imported after such a kernel (it
-# keeps the builtins it wraps). Taken before any kernel runs, restored after every test.
-_PRISTINE = [(ns, dict(vars(ns))) for ns in _language_namespaces()]
-
-
-@pytest.fixture(autouse=True)
-def _pristine_triton_language():
-    yield
-    for ns, attrs in _PRISTINE:
-        for name, value in attrs.items():
-            if vars(ns).get(name) is not value:
-                setattr(ns, name, value)
-
-
-@pytest.fixture
-def fresh_triton_cache(tmp_path, monkeypatch):
-    """Compile for real instead of loading an earlier run's cubin, as on a fresh CI machine."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from make_tiny_kimi import FLAVOURS, make_tiny_kimi  # noqa: E402
@@ -72,3 +34,32 @@ def converted(tiny, tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("tiny-out")
     return {f: convert_checkpoint(src, root / f).output for f, src in tiny.items()}
+
+
+# Triton's interpreter (3.9, runtime/interpreter.py: InterpretedFunction.__call__) patches
+# triton.language.core's builtins whenever an interpreted kernel calls one of Triton's own @jit
+# helpers (tl.cdiv, tl.sum, ...), and never restores them; Triton first imports Gluon inside such
+# a launch, and Gluon keeps the builtins it wraps. Interpreted launches repatch what they need,
+# but a real compile afterwards (the sm_90 build tests) lowers through the interpreter's builder
+# and fails. So Gluon is imported, and the namespaces are taken, before any kernel runs.
+try:
+    import triton.language as tl
+
+    import chordq.kernels.gluon_prefill  # noqa: F401 - and the Gluon modules it imports
+except ImportError:  # no Triton, or one without Gluon: nothing compiles for sm_90 here
+    tl = None
+_PRISTINE = [] if tl is None else [
+    (ns, dict(vars(ns))) for ns in (tl, tl.core, tl.math, tl.core.tensor, tl.core.condition,
+                                    tl.core.dtype, tl.core.tensor_descriptor_base)]
+
+
+@pytest.fixture
+def real_triton_compile(tmp_path, monkeypatch):
+    """For a test that compiles for real in this (interpreting) process: triton.language as it
+    was before any kernel ran, and an empty cache, so the compile runs as on a fresh CI machine
+    instead of loading an earlier run's cubin."""
+    for ns, attrs in _PRISTINE:
+        for name, value in attrs.items():
+            if vars(ns).get(name) is not value:
+                setattr(ns, name, value)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))

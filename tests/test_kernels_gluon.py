@@ -91,7 +91,7 @@ def _sass(kernel) -> str:
                               check=True).stdout
 
 
-@pytest.mark.usefixtures("fresh_triton_cache")
+@pytest.mark.usefixtures("real_triton_compile")
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "silu_mul"])
 def test_sm90_build_is_an_mma_sync_loop_without_spills(gated):
     """What makes the tile fast, checked in its SASS: per 256-deep K step and warp 32

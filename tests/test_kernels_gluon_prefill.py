@@ -84,7 +84,7 @@ def test_gluon_prefill_applies_needs_whole_tiles_and_deep_k():
 # ----------------------------------------------------------------------------- sm_90 build
 
 
-@pytest.mark.usefixtures("fresh_triton_cache")
+@pytest.mark.usefixtures("real_triton_compile")
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "silu_mul"])
 def test_sm90_build_is_warp_specialized_wgmma_without_spills(gated):
     """What the tile is, checked in its SASS: register reallocation between the loader and
@@ -105,7 +105,7 @@ def test_sm90_build_is_warp_specialized_wgmma_without_spills(gated):
     assert "STL" not in sass and "LDL" not in sass
 
 
-@pytest.mark.usefixtures("fresh_triton_cache")
+@pytest.mark.usefixtures("real_triton_compile")
 def test_sm90_build_takes_turns_at_the_tensor_cores():
     """The shipped build (``gluon_prefill.ORDERED``) has each consumer wait for its turn
     before its wgmmas and hand the turn on after them: one more mbarrier wait and one more
