@@ -3,7 +3,7 @@ Humming, same process and inputs, each checked against the reference on its own 
 timed with interleaved CUDA graphs. ``gluon_decode.py`` and ``gluon_prefill.py`` use it.
 
 ``run(rows, only, out_json, contestants)``: for each ``(layout, proj, tokens)`` in ``rows``
-(``only``: a space-separated list of token counts to keep, or empty), seeded weights (once
+(``only``: a space-separated list of token counts, or ``layout/tokens`` rows, to keep; or empty), seeded weights (once
 per shape) and routing; the contestants "shipped" (``choose_row_tiles`` without Gluon: the
 Triton tiles) and "humming" (when ``GLUON_HUMMING`` names the folder of its wheel); then
 ``contestants(ctx, add)`` registers the lab's: ``add(name, block, launch, act=None)`` with
@@ -40,7 +40,7 @@ def run(rows, only: str, out_json: str, contestants, extra_weights=None) -> list
     if wheel:
         H.import_humming(H.install_humming(wheel))
     for layout, proj, tokens in rows:
-        if only and str(tokens) not in only.split():
+        if only and not {str(tokens), f"{layout}/{tokens}"} & set(only.split()):
             continue
         p = next(q for q in H.LAYOUTS[layout] if q.proj == proj)
         if (layout, proj) not in weights:
