@@ -57,9 +57,12 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gluon_w4a16 import _cp_async, _dequant, _operand_layouts, compile_kernel_sm90
 from .triton_config import GLUON_PREFILL_TILE
@@ -68,7 +71,12 @@ from .triton_w4a16 import _num_sms
 __all__ = ["compile_sm90", "moe_gemm_indexed_gluon_prefill", "split_rows"]
 
 WGR = gl.constexpr(128)  # weight rows per consumer warpgroup
-CONSUMER_REGS = 216  # per consumer thread; the loader gets the rest of 168 x 12 warps (72)
+# Registers per consumer thread by block rows; the loader gets the rest of 168 x 12 warps (56
+# or 72). With the words by TMA, 224 against 216 at 96 rows, H200, same process (session 22,
+# two runs): 0.93-1.00 of the time on 25 of 30 rows of EP8 T=512-8192 and TP8 gate_up
+# T=2048-8192, EP8 gate_up T=2048 and 8192 1.01-1.03; at 64 rows 224 lost (gate_up T=256
+# 1.24, down 1.10). With cp.async words 224 starves the loader: 1.03-1.16.
+CONSUMER_REGS = {96: 224, 64: 216}
 # The consumers take turns issuing their wgmmas (_mma_steps' ME). Turns and 4 ring slots
 # against neither (3 slots), H200, same process (scripts/kernel_lab/gluon_prefill.py, session
 # 18): 0.88-0.99 of the time on EP8 T=256-8192 and TP8 gate_up T=8192, but EP8 down T=512 and
@@ -100,6 +108,29 @@ def _mma_layout(BT, num_warps):
 def _words_smem_layout(BK):
     """ldmatrix-friendly: rows of BK/8 words, 16-byte vectors swizzled over 128 bytes."""
     return gl.SwizzledSharedLayout(4, max(1, 256 // BK), min(8, BK // 32), [1, 0])
+
+
+# Triton 3.6 (the H200's) names it async_copy_global_to_shared, 3.9 async_load
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.constexpr_function
+def _words_box(BK, GATED):
+    """The TMA box of a consumer's words for one step: its rows (GATED: the gate half or the
+    up half, one box each) x BK/8 words, and the shared layout TMA writes it in."""
+    rows = WGR.value // 2 if GATED else WGR.value
+    return [rows, BK // 8], gl.NVMMASharedLayout.get_default_for([rows, BK // 8], gl.int32)
+
+
+@gluon.jit
+def _tma_words(w_desc, row0, n_g, N, col, bar, dst, GATED: gl.constexpr):
+    """One step's words of a consumer's rows (``_rows_ptrs``' rows) into ``dst`` by TMA."""
+    if GATED:
+        half: gl.constexpr = WGR // 2
+        _tma_load(w_desc, [row0 + n_g, col], bar, dst.slice(0, half))
+        _tma_load(w_desc, [row0 + N + n_g, col], bar, dst.slice(half, half))
+    else:
+        _tma_load(w_desc, [row0 + n_g, col], bar, dst)
 
 
 @gluon.jit
@@ -142,30 +173,20 @@ def _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K: gl.conste
 
 
 @gluon.jit
-def _rows_ptrs(w_ptr, s_ptr, expert, n_g, N, K, ROWS: gl.constexpr, BK: gl.constexpr,
-               GATED: gl.constexpr, LW: gl.constexpr):
-    """Word and scale pointers of ROWS weight rows (one consumer's): rows ``n_g..`` (GATED:
-    ROWS/2 gate rows ``n_g..`` and their up rows ``N + n_g..``)."""
-    W: gl.constexpr = BK // 8
+def _scale_ptrs(s_ptr, expert, n_g, N, K, ROWS: gl.constexpr, BK: gl.constexpr,
+                GATED: gl.constexpr, LW: gl.constexpr):
+    """Scale pointers of one step of ROWS weight rows (one consumer's): rows ``n_g..``
+    (GATED: ROWS/2 gate rows ``n_g..`` and their up rows ``N + n_g..``)."""
     G: gl.constexpr = BK // 32
-    wtc: gl.constexpr = min(32, W // 4)
-    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // wtc, wtc], [LW, 1], [1, 0])
     sc_l: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [LW, 1], [1, 0])
-    n_w = 2 * N if GATED else N
-    base = expert.to(gl.int64) * n_w
-    wr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, wc_l))
+    base = expert.to(gl.int64) * (2 * N if GATED else N)
     sr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, sc_l))
     if GATED:
-        wr = gl.where(wr < ROWS // 2, n_g + wr, N + n_g + wr - ROWS // 2)
         sr = gl.where(sr < ROWS // 2, n_g + sr, N + n_g + sr - ROWS // 2)
     else:
-        wr = n_g + wr
         sr = n_g + sr
-    w_ptrs = (w_ptr + (base + wr)[:, None] * ((K // BK) * W)
-              + gl.arange(0, W, layout=gl.SliceLayout(0, wc_l))[None, :])
-    s_ptrs = (s_ptr + (base + sr)[:, None] * ((K // BK) * G)
-              + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))[None, :])
-    return w_ptrs, s_ptrs
+    return (s_ptr + (base + sr)[:, None] * ((K // BK) * G)
+            + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))[None, :])
 
 
 @gluon.jit
@@ -177,7 +198,7 @@ def _tile_count(ntp_ptr, grid_n, grid_m, BT: gl.constexpr):
 
 @gluon.jit
 def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
-            x_ptr, w_ptr, s_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
+            x_ptr, w_desc, s_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
             OUT_W, N, K, num_routes, stride_xm, TOP_K: gl.constexpr, BK: gl.constexpr,
             BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
             num_warps: gl.constexpr):
@@ -191,10 +212,9 @@ def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, 
         if expert >= 0:
             n0 = (t % grid_n) * (2 * OUT_W)
             row0 = (t // grid_n) * BT
-            w0_ptrs, s0_ptrs = _rows_ptrs(w_ptr, s_ptr, expert, n0, N, K, WGR, BK, GATED,
-                                          num_warps)
-            w1_ptrs, s1_ptrs = _rows_ptrs(w_ptr, s_ptr, expert, n0 + OUT_W, N, K, WGR, BK,
-                                          GATED, num_warps)
+            w_row0 = expert * (2 * N if GATED else N)
+            s0_ptrs = _scale_ptrs(s_ptr, expert, n0, N, K, WGR, BK, GATED, num_warps)
+            s1_ptrs = _scale_ptrs(s_ptr, expert, n0 + OUT_W, N, K, WGR, BK, GATED, num_warps)
             x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0,
                               BK, num_warps)
             if BT1 > 0:
@@ -203,12 +223,17 @@ def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, 
             for i in range(num_steps):
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)  # both are done
+                # words by TMA (the expect is the slot's one arrival besides the loader
+                # threads'), scales and gathered X rows by cp.async
+                mbarrier.expect(ready.index(slot), 2 * WGR * (BK // 2))
+                _tma_words(w_desc, w_row0, n0, N, i * (BK // 8), ready.index(slot),
+                           w0_bufs.index(slot), GATED)
+                _tma_words(w_desc, w_row0, n0 + OUT_W, N, i * (BK // 8), ready.index(slot),
+                           w1_bufs.index(slot), GATED)
                 _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)
                 if BT1 > 0:
                     _cp_async(x1_bufs.index(slot), x1_ptrs + i * BK)
-                _cp_async(w0_bufs.index(slot), w0_ptrs + i * (BK // 8))
                 _cp_async(s0_bufs.index(slot), s0_ptrs + i * (BK // 32))
-                _cp_async(w1_bufs.index(slot), w1_ptrs + i * (BK // 8))
                 _cp_async(s1_bufs.index(slot), s1_ptrs + i * (BK // 32))
                 async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
                 g += 1
@@ -314,7 +339,7 @@ def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, o
 
 
 @gluon.jit
-def _w4a16_prefill_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
+def _w4a16_prefill_kernel(x_ptr, w_desc, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
                           N, K, num_routes, stride_xm, stride_om, grid_n, grid_m,
                           TOP_K: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
                           BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
@@ -322,21 +347,21 @@ def _w4a16_prefill_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_i
     """Tiles ``t = program, program + programs, ..``: (``BT0 + BT1``-row block ``t //
     grid_n``, 256-weight-row tile ``t % grid_n``), each over all of K."""
     OUT_W: gl.constexpr = WGR // 2 if GATED else WGR  # output columns per warpgroup
-    w_sl: gl.constexpr = _words_smem_layout(BK)
+    w_sl: gl.constexpr = w_desc.layout
     s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     w0_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
     w1_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
     s0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
     s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
     x0_bufs, x1_bufs = _x_ring(STAGES, BT0, BT1, BK)
-    ready, empty = _ring_barriers(STAGES, 32 * num_warps, 2)
+    ready, empty = _ring_barriers(STAGES, 32 * num_warps + 1, 2)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for t in gl.static_range(2):
         mbarrier.init(turn.index(t), count=1)
     num_steps = K // BK
     gl.warp_specialize([
         (_loader, (w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
-                   x_ptr, w_ptr, s_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
+                   x_ptr, w_desc, s_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
                    OUT_W, N, K, num_routes, stride_xm, TOP_K, BK, BT0, BT1, GATED, STAGES,
                    num_warps)),
         (_consumer, (w0_bufs, s0_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
@@ -357,7 +382,8 @@ def _launch_options(top_k: int, block_m: int, block_k: int, num_stages: int,
                     gated: bool, order: bool = ORDERED) -> dict:
     bt0, bt1 = split_rows(block_m)
     return {"TOP_K": top_k, "BK": block_k, "BT0": bt0, "BT1": bt1, "GATED": gated,
-            "STAGES": num_stages, "CREGS": CONSUMER_REGS, "ORDER": order, "num_warps": 4}
+            "STAGES": num_stages, "CREGS": CONSUMER_REGS.get(block_m, 216), "ORDER": order,
+            "num_warps": 4}
 
 
 def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, expert_ids,
@@ -381,8 +407,10 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
         raise ValueError("the Gluon prefill tile needs X rows contiguous and 16-byte aligned")
     tiles = n // block_n * grid_m
     opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order)
+    box, layout = _words_box(block_k, gated)
+    w_desc = TensorDescriptor.from_tensor(w_packed.view(-1, k // 8), box, layout)
     _w4a16_prefill_kernel[(min(tiles, _num_sms(x.device)) if persistent else tiles,)](
-        x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
+        x, w_desc, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
         num_routes, x.stride(0), out.stride(0), n // block_n, grid_m, maxnreg=_MAXNREG, **opts)
     return out
 
@@ -393,6 +421,8 @@ def compile_sm90(block_m: int = GLUON_PREFILL_TILE.block_m,
                  top_k: int = 8, order: bool = ORDERED):
     """The tile built for sm_90 on the CPU (``gluon_w4a16.compile_kernel_sm90``: tests, lab);
     by default the shipped one (``triton_config.GLUON_PREFILL_TILE``, ``ORDERED``)."""
+    box, layout = _words_box(block_k, gated)
     return compile_kernel_sm90(_w4a16_prefill_kernel,
                                _launch_options(top_k, block_m, block_k, num_stages, gated, order),
+                               types={"w_desc": f"tensordesc<i32{box},{layout!r}>"},
                                maxnreg=_MAXNREG)

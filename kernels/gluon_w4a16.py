@@ -230,7 +230,7 @@ _POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*b
              "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "ntp_ptr": "*i32"}
 
 
-def compile_kernel_sm90(fn, consts: dict, **options):
+def compile_kernel_sm90(fn, consts: dict, types: dict | None = None, **options):
     """Build a Gluon indexed kernel for sm_90 without a GPU (Triton's compiler and ptxas run on
     the CPU): ``consts`` its constexprs (``num_warps`` among them), ``options`` the compile
     options beyond ``num_warps``. The compiled kernel's ``asm`` holds the PTX and cubin."""
@@ -238,7 +238,8 @@ def compile_kernel_sm90(fn, consts: dict, **options):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sig = {a: "constexpr" if a in consts else _POINTERS.get(a, "i32") for a in fn.arg_names}
+    types = {**_POINTERS, **(types or {})}  # argument types beyond the pointers and i32
+    sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if a not in consts}
     src = GluonASTSource(fn=fn, signature=sig, attrs=attrs,

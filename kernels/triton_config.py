@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
            "gluon_decode_applies", "gluon_prefill_applies", "GLUON_DECODE_TILE",
-           "GLUON_PREFILL_TILE"]
+           "GLUON_PREFILL_TILE", "GLUON_PREFILL_TILE_64", "gluon_prefill_64_applies"]
 
 GROUP_SIZE = 32
 K_ORDERS = ("natural", "planes", "pairs", "fragments", "subnormal")
@@ -69,8 +69,8 @@ class W4A16Config:
     :param backend: ``"triton"``, or ``"gluon"`` (indexed path, subnormal weights, sm_90
         only) for ``gluon_w4a16``'s 8-row ``mma.sync`` decode tile (``block_m`` 8, ``block_k``
         256, ``num_stages`` the depth of its copy ring; with ``silu_mul`` ``block_n`` counts
-        the gate and up rows together) or ``gluon_prefill``'s 96-row warp-specialized tile
-        (``block_m`` 96, 256 weight rows: ``block_n`` 256, or 128 per half with
+        the gate and up rows together) or ``gluon_prefill``'s warp-specialized tile
+        (``block_m`` 96 or 64, 256 weight rows: ``block_n`` 256, or 128 per half with
         ``silu_mul``; ``num_warps`` 4 is its loader, two 4-warp consumers come on top).
     """
 
@@ -119,12 +119,12 @@ class W4A16Config:
             plain = (self.k_order, self.split_k, self.n_tiles, self.stream_k, self.max_registers,
                      self.columns_first) == ("subnormal", 1, 1, 0, None, False)
             decode = (self.block_m, self.block_k) == (8, 256) and self.block_n >= 64
-            prefill = (self.block_m == 96 and self.block_k in (64, 128, 256)
+            prefill = (self.block_m in (96, 64) and self.block_k in (64, 128, 256)
                        and self.block_n in (128, 256) and self.num_warps == 4)
             if not (plain and (decode or prefill)):
                 raise ValueError(f"the gluon backend is the 8-row decode tile (block_m 8, "
-                                 f"block_k 256, block_n >= 64) or the 96-row prefill tile "
-                                 f"(block_m 96, block_n 128 or 256, 4 loader warps), "
+                                 f"block_k 256, block_n >= 64) or the prefill tile (block_m "
+                                 f"96 or 64, block_n 128 or 256, 4 loader warps), "
                                  f"k_order 'subnormal', no split_k, n_tiles, stream_k, "
                                  f"max_registers or columns_first; got {self}")
             return
@@ -153,6 +153,11 @@ GLUON_DECODE_TILE = W4A16Config(8, 128, 256, 4, 2, k_order="subnormal", backend=
 # run out of registers (ptxas serializes the wgmmas). Launched persistent (session 19,
 # gluon_prefill.PERSISTENT: EP8 down 0.89-0.94 of one program per tile).
 GLUON_PREFILL_TILE = W4A16Config(96, 256, 128, 4, 4, k_order="subnormal", backend="gluon")
+# The same tile on 64-row blocks (one 64-row accumulator), for 33-64 rows per expert where the
+# alignment's blocks are 64 rows (gluon_prefill_64_applies). With its words by TMA (session 22,
+# variant 35) it beat the Triton 64-row tile it replaces, same process, H200: EP8 T=256 gate_up
+# 0.97, down 0.88, TP8 gate_up T=2048 0.96; with cp.async words 1.06-1.11 / 0.95 / 1.06.
+GLUON_PREFILL_TILE_64 = dataclasses.replace(GLUON_PREFILL_TILE, block_m=64)
 
 
 def touched_experts(num_experts: int, num_routes: float) -> float:
@@ -208,6 +213,18 @@ def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = 
             and k >= 2048 and n >= 512 and n % out_n == 0)
 
 
+def gluon_prefill_64_applies(rows_per_expert: float, n: int, k: int,
+                             gated: bool = False) -> bool:
+    """Whether ``choose_config`` takes the Gluon tile on 64-row blocks
+    (``GLUON_PREFILL_TILE_64``; given an sm_90 GPU and subnormal weights): 33-64 rows per
+    expert (EP8 T=256 and TP8 T=2048: 43), no activation, and the 96-row tile's shape rule.
+    Fused SiLU-and-mul ran 1.18-1.24x the Triton 64-row tile's time there (H200, session 22:
+    its 128-output tiles double the tile count at the same weight reads), so it keeps Triton's.
+    """
+    return (32 < rows_per_expert <= 64 and not gated and k % GLUON_PREFILL_TILE.block_k == 0
+            and k >= 2048 and n >= 512 and n % GLUON_PREFILL_TILE.block_n == 0)
+
+
 def _triton_padded_rows(rows_per_expert: float, n: int, k: int) -> int:
     """Rows an expert of ``rows_per_expert`` rows computes in ``_triton_row_tiles``' blocks:
     ``align.mixed_tiles`` covers the rows by halving sizes, so the rows round up to the
@@ -243,6 +260,7 @@ def choose_config(
     block_m: int | None = None,
     w_order: str = "checkpoint",
     interpret: bool = False,
+    gluon: bool = False,
 ) -> W4A16Config:
     """Pick a config from the problem shape.
 
@@ -256,6 +274,9 @@ def choose_config(
         ``chordq.layout.subnormal_scales``, the fastest); decides ``k_order``
     :param interpret: for Triton's CPU interpreter (CPU tensors), which pays per operation
         more than per element: big tiles, one stage
+    :param gluon: the Gluon tiles can run (an sm_90 GPU: ``gluon_w4a16.gluon_ready``); with
+        subnormal weights, 64-row blocks then take ``GLUON_PREFILL_TILE_64`` where
+        ``gluon_prefill_64_applies``
 
     Decode (few rows per expert) is weight-bandwidth bound and, on the H200, close to
     instruction-issue bound: the smallest row tile, 256-deep K steps (128-byte weight rows per
@@ -274,6 +295,9 @@ def choose_config(
             return GLUON_DECODE_TILE
         return dataclasses.replace(GLUON_PREFILL_TILE, block_n=GLUON_PREFILL_TILE.block_n
                                    // (2 if gated else 1))
+    if (gluon and block_m == 64 and w_order == "subnormal" and not interpret
+            and gluon_prefill_64_applies(rows_per_expert, n, k, gated)):
+        return GLUON_PREFILL_TILE_64
     cfg = _choose(rows_per_expert, n, k, gated, block_m, w_order != "checkpoint",
                   w_order == "subnormal", interpret)
     # the subnormal tiles are the fragment tiles with the cheaper dequantization (same loads)

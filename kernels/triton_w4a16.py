@@ -803,10 +803,11 @@ def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, 
         raise ValueError(f"w_order must be one of {W_ORDERS}, got {w_order!r}")
     if config is None:
         return choose_config(rows_per_expert, n, k, gated=gated, block_m=block_m,
-                             w_order=w_order, interpret=device.type == "cpu")
+                             w_order=w_order, interpret=device.type == "cpu",
+                             gluon=indexed and _gluon_usable(device, w_order))
     if config.backend == "gluon" and (not indexed or device.type != "cuda"):
-        raise ValueError("the gluon backend (8-row decode and 96-row prefill tiles) runs the "
-                         "indexed path on an sm_90 GPU only")
+        raise ValueError("the gluon backend (8-row decode, 96- and 64-row prefill tiles) runs "
+                         "the indexed path on an sm_90 GPU only")
     if config.split_k > 1 and not indexed:
         raise ValueError("split_k > 1 is implemented for the indexed path only")
     want = K_ORDER_OF[w_order]
@@ -854,17 +855,22 @@ def row_tiles(rows_per_expert: float, n: int, k: int, num_experts: int, device: 
     prefill) are candidates on an sm_90 GPU with subnormal weights (``gluon_w4a16.gluon_ready``;
     where ``down`` is given, only if they apply to that GEMM on the same blocks too)."""
     device = torch.device(device)
-    experts = 0
-    if device.type == "cuda" and w_order == "subnormal" and not _INTERPRETED:
-        try:  # Gluon is experimental: a Triton without it (or with other names) keeps Triton's
-            from . import gluon_prefill  # noqa: F401  (the prefill tile's names too)
-            from .gluon_w4a16 import gluon_ready
-        except (ImportError, AttributeError):
-            gluon_ready = None
-        experts = num_experts if gluon_ready and gluon_ready(device) else 0
+    experts = num_experts if _gluon_usable(device, w_order) else 0
     return triton_config.choose_row_tiles(rows_per_expert, n, k, interpret=device.type == "cpu",
                                           gluon_experts=experts, num_sms=_num_sms(device),
                                           gated=gated, down=down)
+
+
+def _gluon_usable(device: torch.device, w_order: str) -> bool:
+    """The Gluon tiles can run: subnormal weights on an sm_90 GPU (``gluon_w4a16.gluon_ready``)."""
+    if device.type != "cuda" or w_order != "subnormal" or _INTERPRETED:
+        return False
+    try:  # Gluon is experimental: a Triton without it (or with other names) keeps Triton's
+        from . import gluon_prefill  # noqa: F401  (the prefill tile's names too)
+        from .gluon_w4a16 import gluon_ready
+    except (ImportError, AttributeError):
+        return False
+    return gluon_ready(device)
 
 
 def _num_sms(device: torch.device) -> int:

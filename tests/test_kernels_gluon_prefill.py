@@ -1,7 +1,7 @@
-"""The Gluon 96-row prefill tile (chordq.kernels.gluon_prefill): its config and heuristic, its
-sm_90 build (compiled on the CPU: warp-specialized, wgmma with 64- and 32-row accumulators,
-cp.async into an mbarrier ring, no spills, no serialized wgmmas), and on an sm_90 GPU its
-results against the PyTorch reference (``gpu``-marked)."""
+"""The Gluon prefill tile (chordq.kernels.gluon_prefill) on 96- and 64-row blocks: its configs
+and heuristics, its sm_90 build (compiled on the CPU: warp-specialized, wgmma with 64- and
+32-row accumulators, words by TMA and the rest by cp.async into an mbarrier ring, no spills),
+and on an sm_90 GPU its results against the PyTorch reference (``gpu``-marked)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import re
 import pytest
 
 from chordq.kernels import moe_align_block_size
-from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, W4A16Config, choose_config,
-                                          choose_row_tiles, gluon_prefill_applies)
+from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64, W4A16Config,
+                                          choose_config, choose_row_tiles,
+                                          gluon_prefill_64_applies, gluon_prefill_applies)
 from chordq.layout import fragment_order, subnormal_scales
 
 from test_kernels_gluon import (_problem, _sass, check_fused_moe_tile, check_graph_capture,
@@ -26,13 +27,43 @@ def test_prefill_tile_config_and_label():
     fused = choose_config(85.3, 2048, 7168, block_m=96, gated=True, w_order="subnormal")
     assert fused.block_n == 128  # output columns per half: still 256 weight rows
     for bad in ((96, 512, 128, 4, 3, "subnormal"), (96, 256, 128, 4, 3, "fragments"),
-                (96, 256, 128, 8, 3, "subnormal"), (64, 256, 128, 4, 3, "subnormal")):
-        with pytest.raises(ValueError, match="96-row prefill tile"):
+                (96, 256, 128, 8, 3, "subnormal"), (48, 256, 128, 4, 3, "subnormal")):
+        with pytest.raises(ValueError, match="the prefill tile"):
             W4A16Config(*bad[:5], k_order=bad[5], backend="gluon")
     with pytest.raises(ValueError, match="block_m"):
         W4A16Config(96, 256, 128, 4, 3, k_order="subnormal")  # not a Triton tile
     with pytest.raises(ValueError, match="sm_90"):
         choose_config(85.3, 4096, 7168, block_m=96, w_order="subnormal", interpret=True)
+
+
+def test_64_row_tile_where_it_won():
+    """43 rows per expert (EP8 T=256, TP8 gate_up T=2048) on 64-row blocks: the Gluon tile
+    given an sm_90 GPU (``gluon``) and subnormal weights, plain GEMMs only."""
+    assert GLUON_PREFILL_TILE_64.label == "64,256,128,4,4,Z,G"
+    for n, k in ((4096, 7168), (7168, 2048), (512, 7168)):
+        assert choose_config(42.7, n, k, block_m=64, w_order="subnormal",
+                             gluon=True) == GLUON_PREFILL_TILE_64
+    triton = [dict(gluon=False), dict(gated=True), dict(w_order="fragments"),
+              dict(interpret=True)]
+    for kw in triton:
+        args = {"block_m": 64, "w_order": "subnormal", "gluon": True, **kw}
+        assert choose_config(42.7, 4096, 7168, **args).backend == "triton", kw
+    assert choose_config(42.7, 4096, 7168, block_m=32, w_order="subnormal",
+                         gluon=True).backend == "triton"
+    # a 64-row remainder piece at 150 rows per expert keeps the Triton tile
+    assert choose_config(150.0, 4096, 7168, block_m=64, w_order="subnormal",
+                         gluon=True).backend == "triton"
+
+
+def test_gluon_prefill_64_applies():
+    assert gluon_prefill_64_applies(42.7, 4096, 7168)
+    assert gluon_prefill_64_applies(64.0, 7168, 2048)
+    assert not gluon_prefill_64_applies(32.0, 4096, 7168)  # the 32-row tile's rows
+    assert not gluon_prefill_64_applies(64.5, 4096, 7168)
+    assert not gluon_prefill_64_applies(42.7, 2048, 7168, gated=True)  # fused lost
+    assert not gluon_prefill_64_applies(42.7, 4096 + 128, 7168)  # half a 256-row tile
+    assert not gluon_prefill_64_applies(42.7, 7168, 256)  # TP8 down: K < 2048
+    assert not gluon_prefill_64_applies(42.7, 4096, 7168 + 64)
 
 
 def test_split_rows():
@@ -85,21 +116,26 @@ def test_gluon_prefill_applies_needs_whole_tiles_and_deep_k():
 
 
 @pytest.mark.usefixtures("real_triton_compile")
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "silu_mul"])
-def test_sm90_build_is_warp_specialized_wgmma_without_spills(gated):
+@pytest.mark.parametrize("block_m, gated, accumulators", [
+    (96, False, {"64", "32"}), (96, True, {"64", "32"}), (64, False, {"64"})],
+    ids=["96-plain", "96-silu_mul", "64-plain"])
+def test_sm90_build_is_warp_specialized_wgmma_without_spills(block_m, gated, accumulators):
     """What the tile is, checked in its SASS: register reallocation between the loader and
-    the consumer warpgroups (``setmaxnreg``), wgmmas with 64- and 32-row accumulators on
-    register A (``HGMMA.64x64x16``, ``HGMMA.64x32x16``), cp.async copies signalling mbarriers,
-    ldmatrix reads, and no local-memory spills. (Whether ptxas keeps a step's 32 wgmmas in one
-    group depends on the Triton: 3.6, on the H200, does; 3.9's build serializes them, C7511.)"""
+    the consumer warpgroups (``setmaxnreg``), wgmmas on register A with 64- and 32-row
+    accumulators (96-row blocks: ``HGMMA.64x64x16``, ``HGMMA.64x32x16``) or one 64-row one,
+    the words by TMA (``UTMALDG``) and the scales and X rows by cp.async, all signalling
+    mbarriers, ldmatrix reads, and no local-memory spills. (Whether ptxas keeps a step's 32
+    wgmmas in one group depends on the Triton: 3.6, on the H200, does; 3.9's build serializes
+    them, C7511.)"""
     pytest.importorskip("triton.experimental.gluon")
     from chordq.kernels import gluon_prefill
 
-    kernel = gluon_prefill.compile_sm90(gated=gated)
+    kernel = gluon_prefill.compile_sm90(block_m=block_m, gated=gated)
     sass = _sass(kernel)
     assert "USETMAXREG" in sass
     shapes = set(re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+", sass))
-    assert shapes == {"64", "32"}
+    assert shapes == accumulators
+    assert "UTMALDG" in sass
     assert "LDGSTS" in sass and "ARRIVES.LDGSTSBAR" in sass and "SYNCS" in sass
     assert "LDSM" in sass
     assert "STL" not in sass and "LDL" not in sass
@@ -162,6 +198,40 @@ def test_prefill_tile_walks_more_tiles_than_programs(monkeypatch, e, n, k, m, to
     cfg = choose_config(m * top_k / e, n // 2 if activation else n, k, block_m=96,
                         gated=activation is not None, w_order="subnormal")
     check_indexed_tile(96, e, n, k, m, top_k, local, activation, config=cfg)
+
+
+@pytest.mark.parametrize("e, n, k, m, top_k, local", [
+    (4, 512, 2048, 100, 2, None),  # 16 K steps; 50 rows per expert: one partial 64-row block
+    (3, 512, 384, 80, 2, None),  # 3 K steps (under the ring's 4 slots); 53 rows per expert
+    (4, 512, 2048, 60, 3, 3),  # expert_map: a remote expert (id -1), its rows untouched
+], ids=["16-steps", "3-steps", "remote"])
+@needs_sm90
+def test_64_row_tile_matches_the_reference(monkeypatch, e, n, k, m, top_k, local):
+    """The 64-row form (one accumulator, ``GLUON_PREFILL_TILE_64``), persistent over 3
+    programs as on a GPU with 3 SMs, so programs walk several tiles."""
+    from chordq.kernels import gluon_prefill
+
+    monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
+    check_indexed_tile(64, e, n, k, m, top_k, local, None, config=GLUON_PREFILL_TILE_64)
+
+
+@needs_sm90
+def test_indexed_heuristic_takes_the_64_row_tile_on_sm90():
+    from chordq.kernels.triton_w4a16 import indexed_config
+
+    assert indexed_config(2048, 48, 7168, 2048, 64, w_order="subnormal",
+                          device="cuda") == GLUON_PREFILL_TILE_64  # EP8 down T=256
+    assert indexed_config(2048, 48, 4096, 7168, 64, activation="silu_mul", w_order="subnormal",
+                          device="cuda").backend == "triton"  # fused: Triton's 64-row tile
+    assert indexed_config(2048, 48, 7168, 2048, 64, w_order="fragments",
+                          device="cuda").backend == "triton"
+
+
+@needs_sm90
+def test_fused_moe_at_43_rows_takes_both_64_row_tiles():
+    # 43 rows per expert: gate_up (fused SiLU-and-mul) in the Triton 64-row tile, down in the
+    # Gluon one, on the same 64-row blocks
+    check_fused_moe_tile(16, 2048, 2048, 86, 3, (64,))
 
 
 @needs_sm90

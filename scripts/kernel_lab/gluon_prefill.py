@@ -33,8 +33,9 @@ the ping-pong one) and the Triton tiles for ``ncu_prefill.sh`` / ``ncu_source.sh
 Patches for the ping-pong tile (``git apply``, then run as above): ``patches/ablate.patch``
 (``GLUON_ABLATE`` bits: 1 dequantize once, 2 the loader copies nothing, 4 the consumers skip
 dequantization and wgmmas, 8 / 16 / 32 no scale / word / X copies; timing only, the results
-are wrong), ``patches/scale_ring.patch`` (variant 33, not shipped) and
-``patches/tma_words.patch`` (variant 35: the words by TMA; not yet run on a GPU).
+are wrong) and ``patches/scale_ring.patch`` (variant 33, not shipped), both against the tile
+before its words went by TMA (they apply at commit 366640e; variant 35, the TMA words, shipped
+in session 22, its A/B script was ``git show 366640e:scripts/kernel_lab/tma_run.sh``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from chordq.kernels.gluon_prefill import (ORDERED, PERSISTENT, _mma_layout, _mma_steps,
-                                          _ring_barriers, _rows_ptrs, _store,
+                                          _ring_barriers, _store,
                                           _words_smem_layout, _x_ptrs, _x_ring,
                                           moe_gemm_indexed_gluon_prefill)
 from chordq.kernels.gluon_w4a16 import (_cp_async, _dequant, _operand_layouts,
@@ -119,6 +120,34 @@ def _a_smem_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty, num_st
     else:
         acc0 = warpgroup_mma_wait(0, deps=[acc0])
         return acc0, acc0
+
+
+@gluon.jit
+def _rows_ptrs(w_ptr, s_ptr, expert, n_g, N, K, ROWS: gl.constexpr, BK: gl.constexpr,
+               GATED: gl.constexpr, LW: gl.constexpr):
+    """Word and scale pointers of ROWS weight rows for the lockstep tiles (the ping-pong tile
+    loads its words by TMA): rows ``n_g..`` (GATED: ROWS/2 gate rows ``n_g..`` and their up
+    rows ``N + n_g..``)."""
+    W: gl.constexpr = BK // 8
+    G: gl.constexpr = BK // 32
+    wtc: gl.constexpr = min(32, W // 4)
+    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [32 // wtc, wtc], [LW, 1], [1, 0])
+    sc_l: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [LW, 1], [1, 0])
+    n_w = 2 * N if GATED else N
+    base = expert.to(gl.int64) * n_w
+    wr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, wc_l))
+    sr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, sc_l))
+    if GATED:
+        wr = gl.where(wr < ROWS // 2, n_g + wr, N + n_g + wr - ROWS // 2)
+        sr = gl.where(sr < ROWS // 2, n_g + sr, N + n_g + sr - ROWS // 2)
+    else:
+        wr = n_g + wr
+        sr = n_g + sr
+    w_ptrs = (w_ptr + (base + wr)[:, None] * ((K // BK) * W)
+              + gl.arange(0, W, layout=gl.SliceLayout(0, wc_l))[None, :])
+    s_ptrs = (s_ptr + (base + sr)[:, None] * ((K // BK) * G)
+              + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))[None, :])
+    return w_ptrs, s_ptrs
 
 
 @gluon.jit
