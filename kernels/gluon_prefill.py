@@ -1,7 +1,8 @@
-"""The 96-row W4A16 prefill tile in Gluon: warp-specialized, ping-pong warpgroups, on wgmma.
+"""The W4A16 prefill tile in Gluon (96- or 64-row blocks): warp-specialized, ping-pong
+warpgroups, on wgmma.
 
 ``out[r, n] = sum_k x[row(r), k] * W_e[n, k]`` for the indexed routing of ``triton_w4a16``
-(``moe_align_block_size(.., 96)`` blocks), on the shipped weights (fragment-order words,
+(``moe_align_block_size(.., 96)`` blocks, or 64), on the shipped weights (fragment-order words,
 ``chordq.layout.subnormal_scales``), dequantized by the subnormal PTX of the Triton kernels,
 with ``activation="silu_mul"`` fused as there (gate and up rounded to BF16 first).
 
@@ -10,10 +11,12 @@ per expert (EP8 T=512) pad to 128; here a block is a 64-row and a 32-row accumul
 the same dequantized registers (two wgmmas per step), 96 rows. And Triton 3.6 does not
 warp-specialize this loop; Gluon states the partitions:
 
-- the *loader* (the default partition, 4 warps, few registers) copies each 128-deep K step's
-  words, scales and gathered X rows into a 4-slot shared ring with 16-byte ``cp.async`` and
-  signals the slot's ``ready`` mbarrier (``cp.async.mbarrier.arrive.noinc``: one arrival per
-  loader thread, when its copies land);
+- the *loader* (the default partition, 4 warps, few registers) fills a 4-slot shared ring
+  with each 128-deep K step: the words by TMA (one box per consumer, on the slot's ``ready``
+  mbarrier with the step's byte count), scales and gathered X rows by 16-byte ``cp.async``
+  (``cp.async.mbarrier.arrive.noinc``: one arrival per loader thread, when its copies land;
+  the scales' 8 bytes per row are under TMA's box minimum, X rows are gathered). TMA frees the
+  loader's registers for the consumers (``CONSUMER_REGS``; kernel_notes variant 35);
 - two *consumer* warpgroups (worker partitions of 4 warps) each own 128 weight rows of the
   256-row tile (with ``silu_mul``: 64 gate rows and their 64 up rows): wait on ``ready``,
   read words and scales (``ldmatrix``), dequantize straight into wgmma's register A operand
@@ -42,7 +45,9 @@ Measured on the H200 against the shipped Triton tiles and Humming 0.1.19, same p
 gate_up 0.85 and down 0.84, T=1024 0.82 / 0.93, T=2048 0.97 / 0.89, T=8192 0.94 / 0.87, TP8
 gate_up T=8192 0.80; it loses at 43 rows per expert (T=256). Persistent against one program
 per tile (session 19, same process): EP8 down 0.89-0.94, gate_up 0.94-1.00, TP8 gate_up
-T=8192 0.96. Where it runs: ``triton_config.gluon_prefill_applies``.
+T=8192 0.96. Where it runs: ``triton_config.gluon_prefill_applies`` (96 rows) and, for plain
+GEMMs at 33-64 rows per expert, ``gluon_prefill_64_applies`` (one 64-row accumulator: with the
+words by TMA, 0.88-0.97 of the Triton 64-row tile's time; session 22).
 
 GPU only (no interpreter); ``gluon_w4a16.gluon_ready`` says whether it can run. Built by
 Triton 3.6 (the H200's) a step's 32 wgmmas issue as one group; Triton 3.9's build (ptxas

@@ -201,7 +201,7 @@ def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = 
     Triton tiles' time: EP8 T=512 (85 rows) gate_up 0.85-0.89, down 0.82-0.84; T=1024 (171)
     0.82-0.92 / 0.93; T=2048 (341) 0.97-1.00 / 0.89-0.99; T=8192 (1365) 0.94 / 0.87; TP8
     gate_up T=8192 (171 rows, N=512) 0.80. At 43 rows (T=256, the Triton tile 64 rows) 96-row
-    blocks ran 1.20-1.33 and 64-row ones 1.06-1.07 (gate_up), 0.93-0.96 (down).
+    blocks ran 1.20-1.33; the tile on 64-row blocks runs there (``gluon_prefill_64_applies``).
 
     :param n: output features (with ``gated``, ``silu_mul``: per half; a tile then covers 128)
     """
@@ -391,7 +391,9 @@ def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool 
     ``gluon_decode_applies``; ``(96,)``, the Gluon prefill tile, where
     ``gluon_prefill_applies`` (``(96, 32)`` for K > N up to 96 rows per expert: a remainder of
     up to 32 rows goes to the 32-row Triton tile); ``(128, 64, 32)`` for K > N, ``(128, 64)``
-    otherwise, at 128-256 rows per expert; elsewhere the one ``choose_config`` block.
+    otherwise, at 128-256 rows per expert; elsewhere the one ``choose_config`` block (64-row
+    blocks then run the Gluon tile where ``gluon_prefill_64_applies``: ``choose_config``'s
+    ``gluon``).
 
     :param gluon_experts: the local expert count when the Gluon tiles can run (an sm_90 GPU and
         subnormal weights: ``gluon_w4a16.gluon_ready``), else 0

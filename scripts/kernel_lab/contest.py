@@ -3,9 +3,11 @@ Humming, same process and inputs, each checked against the reference on its own 
 timed with interleaved CUDA graphs. ``gluon_decode.py`` and ``gluon_prefill.py`` use it.
 
 ``run(rows, only, out_json, contestants)``: for each ``(layout, proj, tokens)`` in ``rows``
-(``only``: a space-separated list of token counts, or ``layout/tokens`` rows, to keep; or empty), seeded weights (once
-per shape) and routing; the contestants "shipped" (``choose_row_tiles`` without Gluon: the
-Triton tiles) and "humming" (when ``GLUON_HUMMING`` names the folder of its wheel); then
+(``only``: a space-separated list of token counts, or ``layout/tokens`` rows, to keep; or
+empty), seeded weights (once per shape) and routing; the contestants "shipped"
+(``choose_row_tiles`` without the Gluon row tiles: the Triton tiles, and since session 22 the
+Gluon tile on 64-row blocks where ``choose_config`` takes it) and "humming" (when
+``GLUON_HUMMING`` names the folder of its wheel); then
 ``contestants(ctx, add)`` registers the lab's: ``add(name, block, launch, act=None)`` with
 ``launch(out, aligned, blocks)`` on ``moe_align_block_size(topk, block)``'s buffers.
 """
