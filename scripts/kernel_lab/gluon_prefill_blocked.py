@@ -1,0 +1,406 @@
+"""Lab copy (session 22, not shipped): the Gluon prefill tile on words laid out tile by tile
+(each 128-row consumer's K step one contiguous 8 KB box), plain GEMMs only.
+
+Why (docs/performance.md §18): at 43 rows per expert the 64-row tile reads its words at 2.0
+TB/s where Humming reads 2.4, and neither more consumer warps (``gluon_prefill_quad.py``) nor
+half the X re-reads (``gluon_prefill_wide.py``) changed that. The shipped words are rows of
+K/8 words ([E, N, K/8]), so a step's TMA box takes 64 bytes from each of 128 rows 3.5 KB apart;
+Humming's ``transform()`` repacks its weights tile by tile. Here the launcher repacks the
+words once (cached per tensor; lab only) as [E, N/128, K/BK, 128, BK/8] and the loader's box
+for step i of rows n.. is rows ``((e N/128 + n/128) K/BK + i) 128`` of that. A hand-edited
+copy of kernels/gluon_prefill.py (4ef166e); the lab copies it into kernels/ to run it under
+``PREFILL_AB``."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .gluon_w4a16 import _cp_async, _dequant, _operand_layouts, compile_kernel_sm90
+from .triton_config import GLUON_PREFILL_TILE
+from .triton_w4a16 import _num_sms
+
+__all__ = ["compile_sm90", "moe_gemm_indexed_gluon_prefill", "split_rows"]
+
+WGR = gl.constexpr(128)  # weight rows per consumer warpgroup
+# Registers per consumer thread by block rows; the loader gets the rest of 168 x 12 warps (56
+# or 72). With the words by TMA, 224 against 216 at 96 rows, H200, same process (session 22,
+# two runs): 0.93-1.00 of the time on 25 of 30 rows of EP8 T=512-8192 and TP8 gate_up
+# T=2048-8192, EP8 gate_up T=2048 and 8192 1.01-1.03; at 64 rows 224 lost (gate_up T=256
+# 1.24, down 1.10). With cp.async words 224 starves the loader: 1.03-1.16.
+CONSUMER_REGS = {96: 224, 64: 216}
+# The consumers take turns issuing their wgmmas (_mma_steps' ME). Turns and 4 ring slots
+# against neither (3 slots), H200, same process (scripts/kernel_lab/gluon_prefill.py, session
+# 18): 0.88-0.99 of the time on EP8 T=256-8192 and TP8 gate_up T=8192, but EP8 down T=512 and
+# 1024 (1.00-1.02); 4 slots alone 0.92-1.05, turns alone (3 slots) 0.92-1.03.
+ORDERED = True
+# One program per SM walks its share of the tiles (module docstring); False: one program per
+# tile. H200, same process (session 19): EP8 down T=512-8192 0.89-0.94 of the time per tile,
+# gate_up 0.94-1.00 (T=512: 1.00), TP8 gate_up T=8192 0.96.
+PERSISTENT = True
+
+
+def split_rows(block_m: int) -> tuple[int, int]:
+    """A block's token rows as two power-of-two accumulators: 96 -> (64, 32), 128 -> (128, 0)."""
+    first = 1 << (block_m.bit_length() - 1)
+    second = block_m - first
+    if second & (second - 1) or block_m % 16:
+        raise ValueError(f"block_m must be a power of two or the sum of two, >= 16 and a "
+                         f"multiple of 16, got {block_m}")
+    return first, second
+
+
+@gluon.constexpr_function
+def _mma_layout(BT, num_warps):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, BT, 16])
+
+
+@gluon.constexpr_function
+def _words_smem_layout(BK):
+    """ldmatrix-friendly: rows of BK/8 words, 16-byte vectors swizzled over 128 bytes."""
+    return gl.SwizzledSharedLayout(4, max(1, 256 // BK), min(8, BK // 32), [1, 0])
+
+
+# Triton 3.6 (the H200's) names it async_copy_global_to_shared, 3.9 async_load
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.constexpr_function
+def _words_box(BK, GATED):
+    """The TMA box of a consumer's words for one step: its rows (GATED: the gate half or the
+    up half, one box each) x BK/8 words, and the shared layout TMA writes it in."""
+    rows = WGR.value // 2 if GATED else WGR.value
+    return [rows, BK // 8], gl.NVMMASharedLayout.get_default_for([rows, BK // 8], gl.int32)
+
+
+@gluon.jit
+def _tma_words(w_desc, row0, n_g, N, col, bar, dst, GATED: gl.constexpr):
+    """One step's words of a consumer's rows (``_rows_ptrs``' rows) into ``dst`` by TMA."""
+    if GATED:
+        half: gl.constexpr = WGR // 2
+        _tma_load(w_desc, [row0 + n_g, col], bar, dst.slice(0, half))
+        _tma_load(w_desc, [row0 + N + n_g, col], bar, dst.slice(half, half))
+    else:
+        _tma_load(w_desc, [row0 + n_g, col], bar, dst)
+
+
+@gluon.jit
+def _x_ring(STAGES: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr, BK: gl.constexpr):
+    """The X slots of the ring: ``[STAGES, BT0, BK]`` (and ``[STAGES, BT1, BK]``), as wgmma
+    reads them."""
+    x0_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT0, BK], gl.bfloat16)
+    x0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT0, BK], x0_sl)
+    if BT1 > 0:
+        x1_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT1, BK], gl.bfloat16)
+        x1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT1, BK], x1_sl)
+    else:
+        x1_bufs = x0_bufs
+    return x0_bufs, x1_bufs
+
+
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr, READY: gl.constexpr, EMPTY: gl.constexpr):
+    """Per slot, ``ready`` (READY arrivals: one per loader thread) and ``empty`` (EMPTY: one
+    per consumer partition)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=READY)
+        mbarrier.init(empty.index(i), count=EMPTY)
+    return ready, empty
+
+
+@gluon.jit
+def _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K: gl.constexpr,
+            BT: gl.constexpr, BK: gl.constexpr, LW: gl.constexpr):
+    """Pointers of one step's X rows ``[BT, BK]``, 16 bytes per thread and register."""
+    tpc: gl.constexpr = min(32, BK // 8)
+    xc_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpc, tpc], [LW, 1], [1, 0])
+    xr = gl.arange(0, BT, layout=gl.SliceLayout(1, xc_l))
+    xc = gl.arange(0, BK, layout=gl.SliceLayout(0, xc_l))
+    routes = gl.load(sorted_ids_ptr + row0 + xr)
+    routes = gl.where(routes < num_routes, routes, 0)  # sentinels read row 0, not stored
+    return x_ptr + (routes // TOP_K).to(gl.int64)[:, None] * stride_xm + xc[None, :]
+
+
+@gluon.jit
+def _scale_ptrs(s_ptr, expert, n_g, N, K, ROWS: gl.constexpr, BK: gl.constexpr,
+                GATED: gl.constexpr, LW: gl.constexpr):
+    """Scale pointers of one step of ROWS weight rows (one consumer's): rows ``n_g..``
+    (GATED: ROWS/2 gate rows ``n_g..`` and their up rows ``N + n_g..``)."""
+    G: gl.constexpr = BK // 32
+    sc_l: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [LW, 1], [1, 0])
+    base = expert.to(gl.int64) * (2 * N if GATED else N)
+    sr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, sc_l))
+    if GATED:
+        sr = gl.where(sr < ROWS // 2, n_g + sr, N + n_g + sr - ROWS // 2)
+    else:
+        sr = n_g + sr
+    return (s_ptr + (base + sr)[:, None] * ((K // BK) * G)
+            + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))[None, :])
+
+
+@gluon.jit
+def _tile_count(ntp_ptr, grid_n, grid_m, BT: gl.constexpr):
+    """Tiles of this launch: ``grid_n`` weight-row tiles for each of the row blocks that hold
+    routes (``moe_align_block_size``'s padded count), at most ``grid_m`` of them."""
+    return gl.minimum(gl.cdiv(gl.load(ntp_ptr), BT), grid_m) * grid_n
+
+
+@gluon.jit
+def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
+            x_ptr, w_desc, s_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
+            OUT_W, N, K, num_routes, stride_xm, TOP_K: gl.constexpr, BK: gl.constexpr,
+            BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
+            num_warps: gl.constexpr):
+    """Fills the ring for every tile of this program in turn, so the next tile's first slots
+    fill while the consumers finish and store the last one."""
+    BT: gl.constexpr = BT0 + BT1
+    g = 0  # ring position: steps loaded by this program so far
+    for t in range(gl.program_id(0), _tile_count(ntp_ptr, grid_n, grid_m, BT),
+                   gl.num_programs(0)):
+        expert = gl.load(expert_ids_ptr + t // grid_n)
+        if expert >= 0:
+            n0 = (t % grid_n) * (2 * OUT_W)
+            row0 = (t // grid_n) * BT
+            w_row0 = expert * (2 * N if GATED else N)
+            s0_ptrs = _scale_ptrs(s_ptr, expert, n0, N, K, WGR, BK, GATED, num_warps)
+            s1_ptrs = _scale_ptrs(s_ptr, expert, n0 + OUT_W, N, K, WGR, BK, GATED, num_warps)
+            x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0,
+                              BK, num_warps)
+            if BT1 > 0:
+                x1_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0 + BT0, num_routes, stride_xm,
+                                  TOP_K, BT1, BK, num_warps)
+            for i in range(num_steps):
+                slot = g % STAGES
+                mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)  # both are done
+                # words by TMA (the expect is the slot's one arrival besides the loader
+                # threads'), scales and gathered X rows by cp.async
+                mbarrier.expect(ready.index(slot), 2 * WGR * (BK // 2))
+                blk0 = ((expert * (N // WGR) + n0 // WGR) * num_steps + i) * WGR
+                blk1 = ((expert * (N // WGR) + (n0 + OUT_W) // WGR) * num_steps + i) * WGR
+                _tma_load(w_desc, [blk0, 0], ready.index(slot), w0_bufs.index(slot))
+                _tma_load(w_desc, [blk1, 0], ready.index(slot), w1_bufs.index(slot))
+                _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)
+                if BT1 > 0:
+                    _cp_async(x1_bufs.index(slot), x1_ptrs + i * BK)
+                _cp_async(s0_bufs.index(slot), s0_ptrs + i * (BK // 32))
+                _cp_async(s1_bufs.index(slot), s1_ptrs + i * (BK // 32))
+                async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+                g += 1
+
+
+@gluon.jit
+def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
+               ROWS: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr,
+               STAGES: gl.constexpr, num_warps: gl.constexpr, turn, ME: gl.constexpr):
+    """A consumer's K loop over ROWS weight rows: ``[ROWS, BT0]`` and ``[ROWS, BT1]``
+    accumulators; each step retires its own wgmmas (module docstring) and frees its slot.
+    ``g0``: the ring position of the first step (steps this program consumed before).
+
+    ``ME`` 0 or 1 (two consumers): the consumers take turns issuing a step's wgmmas
+    (``turn``: two mbarriers, each consumer arrives on the other's after issuing), so one's
+    dequantization overlaps the other's wgmmas instead of both issuing at once; -1: no turns."""
+    w_l: gl.constexpr = _operand_layouts(ROWS, BK, num_warps)[0]
+    s3_l: gl.constexpr = _operand_layouts(ROWS, BK, num_warps)[1]
+    mma0: gl.constexpr = _mma_layout(BT0, num_warps)
+    a0_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma0, k_width=2)
+    acc0 = gl.zeros([ROWS, BT0], gl.float32, mma0)
+    if BT1 > 0:
+        mma1: gl.constexpr = _mma_layout(BT1, num_warps)
+        a1_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma1, k_width=2)
+        acc1 = gl.zeros([ROWS, BT1], gl.float32, mma1)
+    gl.assume(num_steps > 0)  # no zero-trip path: ptxas keeps the wgmmas of a step together
+    for i in range(num_steps):
+        g = g0 + i
+        slot = g % STAGES
+        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+        w = w_bufs.index(slot).load(w_l)
+        s = s_bufs.index(slot).load(gl.SliceLayout(2, s3_l))
+        a = _dequant(w, s, s3_l, ROWS, BK)
+        fence_async_shared()  # X arrived by cp.async (generic proxy); wgmma reads it (async)
+        if ME >= 0:  # consumer 0 goes first: step g waits for consumer 1's step g - 1
+            mbarrier.wait(turn.index(ME), (g & 1) ^ (1 - ME))
+        a0 = gl.convert_layout(a, a0_l, assert_trivial=True)
+        acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
+        if BT1 > 0:
+            a1 = gl.convert_layout(a, a1_l, assert_trivial=True)
+            acc1 = warpgroup_mma(a1, x1_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
+        if ME >= 0:
+            mbarrier.arrive(turn.index(1 - ME))
+        if BT1 > 0:
+            acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+        else:
+            acc0 = warpgroup_mma_wait(0, deps=[acc0])
+        mbarrier.arrive(empty.index(slot))
+    if BT1 > 0:
+        return acc0, acc1
+    else:
+        return acc0, acc0
+
+
+@gluon.jit
+def _store(acc, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, BN: gl.constexpr,
+           BT: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
+    """``out[route, n_out + n] = acc[n, r]`` for ``acc [BN, BT]`` (SiLU(gate) * up with GATED:
+    rows ``[0, BN/2)`` gate, ``[BN/2, BN)`` the matching up rows), 16-byte stores."""
+    OUT_N: gl.constexpr = BN // 2 if GATED else BN
+    tn: gl.constexpr = min(32, OUT_N // 8)
+    if GATED:
+        e3: gl.constexpr = gl.BlockedLayout([2, 8, 1], [1, tn, 32 // tn], [1, 1, num_warps],
+                                            [0, 1, 2])
+        g = gl.convert_layout(gl.reshape(acc, [2, OUT_N, BT]), e3)
+        gate, up = gl.split(gl.permute(g, [1, 2, 0]))
+        gate = gate.to(gl.bfloat16).to(gl.float32)
+        up = up.to(gl.bfloat16).to(gl.float32)
+        res = gate / (1.0 + gl.exp(-gate)) * up
+    else:
+        e2: gl.constexpr = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, num_warps], [0, 1])
+        res = gl.convert_layout(acc, e2)
+    o_l: gl.constexpr = res.type.layout
+    orow = gl.arange(0, OUT_N, layout=gl.SliceLayout(1, o_l))
+    ocol = gl.arange(0, BT, layout=gl.SliceLayout(0, o_l))
+    oroutes = gl.load(sorted_ids_ptr + row0 + ocol)
+    o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n_out + orow)[:, None]
+    gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :])
+
+
+@gluon.jit
+def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
+              sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m, n_off, OUT_W,
+              num_routes, stride_om, BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr,
+              GATED: gl.constexpr, STAGES: gl.constexpr, ME: gl.constexpr):
+    """One warpgroup's rows (output columns ``n_off..`` of each tile) for every tile of this
+    program, in the loader's order."""
+    BT: gl.constexpr = BT0 + BT1
+    g = 0
+    for t in range(gl.program_id(0), _tile_count(ntp_ptr, grid_n, grid_m, BT),
+                   gl.num_programs(0)):
+        if gl.load(expert_ids_ptr + t // grid_n) >= 0:
+            acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g,
+                                    num_steps, WGR, BK, BT0, BT1, STAGES, 4, turn, ME)
+            g += num_steps
+            n_out = (t % grid_n) * (2 * OUT_W) + n_off
+            row0 = (t // grid_n) * BT
+            _store(acc0, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, WGR, BT0,
+                   GATED, 4)
+            if BT1 > 0:
+                _store(acc1, out_ptr, sorted_ids_ptr, row0 + BT0, n_out, num_routes, stride_om,
+                       WGR, BT1, GATED, 4)
+
+
+@gluon.jit
+def _w4a16_prefill_kernel(x_ptr, w_desc, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
+                          N, K, num_routes, stride_xm, stride_om, grid_n, grid_m,
+                          TOP_K: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
+                          BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
+                          CREGS: gl.constexpr, ORDER: gl.constexpr, num_warps: gl.constexpr):
+    """Tiles ``t = program, program + programs, ..``: (``BT0 + BT1``-row block ``t //
+    grid_n``, 256-weight-row tile ``t % grid_n``), each over all of K."""
+    OUT_W: gl.constexpr = WGR // 2 if GATED else WGR  # output columns per warpgroup
+    w_sl: gl.constexpr = w_desc.layout
+    s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    w0_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
+    w1_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
+    s0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
+    s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
+    x0_bufs, x1_bufs = _x_ring(STAGES, BT0, BT1, BK)
+    ready, empty = _ring_barriers(STAGES, 32 * num_warps + 1, 2)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(2):
+        mbarrier.init(turn.index(t), count=1)
+    num_steps = K // BK
+    gl.warp_specialize([
+        (_loader, (w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
+                   x_ptr, w_desc, s_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
+                   OUT_W, N, K, num_routes, stride_xm, TOP_K, BK, BT0, BT1, GATED, STAGES,
+                   num_warps)),
+        (_consumer, (w0_bufs, s0_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
+                     sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m, 0, OUT_W,
+                     num_routes, stride_om, BK, BT0, BT1, GATED, STAGES,
+                     0 if ORDER else -1)),
+        (_consumer, (w1_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
+                     sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m, OUT_W, OUT_W,
+                     num_routes, stride_om, BK, BT0, BT1, GATED, STAGES,
+                     1 if ORDER else -1)),
+    ], [4, 4], [CREGS, CREGS])
+
+
+_MAXNREG = 168  # 12 warps (loader + two consumer warpgroups), one CTA per SM: 65536 / 384
+
+
+def _launch_options(top_k: int, block_m: int, block_k: int, num_stages: int,
+                    gated: bool, order: bool = ORDERED) -> dict:
+    bt0, bt1 = split_rows(block_m)
+    return {"TOP_K": top_k, "BK": block_k, "BT0": bt0, "BT1": bt1, "GATED": gated,
+            "STAGES": num_stages, "CREGS": CONSUMER_REGS.get(block_m, 216), "ORDER": order,
+            "num_warps": 4}
+
+
+def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, expert_ids,
+                                   num_tokens_post_padded, top_k, out, *, num_routes, grid_m,
+                                   block_m, block_n, block_k, num_stages, gated,
+                                   order: bool = ORDERED, persistent: bool = PERSISTENT):
+    """Launch the prefill tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
+    (subnormal weights, ``block_m``-row alignment) and calls this for its configs
+    (``triton_config.GLUON_PREFILL_TILE``). ``block_n``: output columns per tile.
+    ``persistent``: one program per SM shares the ``grid_m x N / block_n`` tiles (module
+    docstring), else one program per tile."""
+    if gated:
+        raise ValueError("lab: the blocked-words tile runs plain GEMMs")
+    n_w, k = w_packed.shape[1], x.shape[1]
+    n = n_w // 2 if gated else n_w
+    if block_n != (WGR.value if gated else 2 * WGR.value):
+        raise ValueError(f"the Gluon prefill tile computes {2 * WGR.value} weight rows: "
+                         f"block_n {WGR.value if gated else 2 * WGR.value}, got {block_n}")
+    if k % block_k or n % block_n:
+        raise ValueError(f"the Gluon prefill tile needs K % {block_k} == 0 and N % {block_n} "
+                         f"== 0, got K={k}, N={n}")
+    if x.stride(1) != 1 or x.stride(0) % 8:
+        raise ValueError("the Gluon prefill tile needs X rows contiguous and 16-byte aligned")
+    tiles = n // block_n * grid_m
+    opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order)
+    box, layout = _words_box(block_k, gated)
+    w_desc = TensorDescriptor.from_tensor(_blocked_words(w_packed, block_k), box, layout)
+    _w4a16_prefill_kernel[(min(tiles, _num_sms(x.device)) if persistent else tiles,)](
+        x, w_desc, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
+        num_routes, x.stride(0), out.stride(0), n // block_n, grid_m, maxnreg=_MAXNREG, **opts)
+    return out
+
+
+_BLOCKED: dict = {}
+
+
+def _blocked_words(w, bk):
+    """``[E, N, K/8]`` words as ``[E N/128 K/bk 128, bk/8]``, each 128-row K step contiguous
+    (made once per tensor: the lab's timed launches reuse it)."""
+    key = (w.data_ptr(), tuple(w.shape), bk)
+    if key not in _BLOCKED:
+        e, n, kw = w.shape
+        _BLOCKED[key] = (w.view(e, n // 128, 128, kw // (bk // 8), bk // 8)
+                         .permute(0, 1, 3, 2, 4).contiguous().view(-1, bk // 8))
+    return _BLOCKED[key]
+
+
+def compile_sm90(block_m: int = GLUON_PREFILL_TILE.block_m,
+                 block_k: int = GLUON_PREFILL_TILE.block_k,
+                 num_stages: int = GLUON_PREFILL_TILE.num_stages, gated: bool = False,
+                 top_k: int = 8, order: bool = ORDERED):
+    """The tile built for sm_90 on the CPU (``gluon_w4a16.compile_kernel_sm90``: tests, lab);
+    by default the shipped one (``triton_config.GLUON_PREFILL_TILE``, ``ORDERED``)."""
+    box, layout = _words_box(block_k, gated)
+    return compile_kernel_sm90(_w4a16_prefill_kernel,
+                               _launch_options(top_k, block_m, block_k, num_stages, gated, order),
+                               types={"w_desc": f"tensordesc<i32{box},{layout!r}>"},
+                               maxnreg=_MAXNREG)
