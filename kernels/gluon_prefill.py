@@ -109,12 +109,6 @@ def _mma_layout(BT, num_warps):
                                      instr_shape=[16, BT, 16])
 
 
-@gluon.constexpr_function
-def _words_smem_layout(BK):
-    """ldmatrix-friendly: rows of BK/8 words, 16-byte vectors swizzled over 128 bytes."""
-    return gl.SwizzledSharedLayout(4, max(1, 256 // BK), min(8, BK // 32), [1, 0])
-
-
 # Triton 3.6 (the H200's) names it async_copy_global_to_shared, 3.9 async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
@@ -129,7 +123,7 @@ def _words_box(BK, GATED):
 
 @gluon.jit
 def _tma_words(w_desc, row0, n_g, N, col, bar, dst, GATED: gl.constexpr):
-    """One step's words of a consumer's rows (``_rows_ptrs``' rows) into ``dst`` by TMA."""
+    """One step's words of a consumer's rows (``_scale_ptrs``' rows) into ``dst`` by TMA."""
     if GATED:
         half: gl.constexpr = WGR // 2
         _tma_load(w_desc, [row0 + n_g, col], bar, dst.slice(0, half))

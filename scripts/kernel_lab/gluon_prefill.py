@@ -60,8 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from chordq.kernels.gluon_prefill import (ORDERED, PERSISTENT, _mma_layout, _mma_steps,
-                                          _ring_barriers, _store,
-                                          _words_smem_layout, _x_ptrs, _x_ring,
+                                          _ring_barriers, _store, _x_ptrs, _x_ring,
                                           moe_gemm_indexed_gluon_prefill)
 from chordq.kernels.gluon_w4a16 import (_cp_async, _dequant, _operand_layouts,
                                         compile_kernel_sm90)
@@ -123,6 +122,13 @@ def _a_smem_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty, num_st
     else:
         acc0 = warpgroup_mma_wait(0, deps=[acc0])
         return acc0, acc0
+
+
+@gluon.constexpr_function
+def _words_smem_layout(BK):
+    """The lockstep tiles' word slots (the ping-pong tile's are TMA's layout): ldmatrix-friendly
+    rows of BK/8 words, 16-byte vectors swizzled over 128 bytes."""
+    return gl.SwizzledSharedLayout(4, max(1, 256 // BK), min(8, BK // 32), [1, 0])
 
 
 @gluon.jit
