@@ -13,10 +13,12 @@ warp-specialize this loop; Gluon states the partitions:
 
 - the *loader* (the default partition, 4 warps, few registers) fills a 4-slot shared ring
   with each 128-deep K step: the words by TMA (one box per consumer, on the slot's ``ready``
-  mbarrier with the step's byte count), scales and gathered X rows by 16-byte ``cp.async``
-  (``cp.async.mbarrier.arrive.noinc``: one arrival per loader thread, when its copies land;
-  the scales' 8 bytes per row are under TMA's box minimum, X rows are gathered). TMA frees the
-  loader's registers for the consumers (``CONSUMER_REGS``; kernel_notes variant 35);
+  mbarrier with the step's byte count), the scales by TMA too, every other step for two
+  steps (a step's 8 bytes a row are under TMA's 16-byte box minimum; the consumers keep the
+  second step's in registers), and the gathered X rows by 16-byte ``cp.async``
+  (``cp.async.mbarrier.arrive.noinc``: one arrival per loader thread, when its copies land).
+  TMA frees the loader's registers for the consumers (``CONSUMER_REGS``; kernel_notes
+  variant 35) and spares the scales' 8-byte copies, a cache line per row (variant 41);
 - two *consumer* warpgroups (worker partitions of 4 warps) each own 128 weight rows of the
   256-row tile (with ``silu_mul``: 64 gate rows and their 64 up rows): wait on ``ready``,
   read words and scales (``ldmatrix``), dequantize straight into wgmma's register A operand
@@ -45,9 +47,10 @@ Measured on the H200 against the shipped Triton tiles and Humming 0.1.19, same p
 gate_up 0.85 and down 0.84, T=1024 0.82 / 0.93, T=2048 0.97 / 0.89, T=8192 0.94 / 0.87, TP8
 gate_up T=8192 0.80; it loses at 43 rows per expert (T=256). Persistent against one program
 per tile (session 19, same process): EP8 down 0.89-0.94, gate_up 0.94-1.00, TP8 gate_up
-T=8192 0.96. Where it runs: ``triton_config.gluon_prefill_applies`` (96 rows) and, for plain
-GEMMs at 33-64 rows per expert, ``gluon_prefill_64_applies`` (one 64-row accumulator: with the
-words by TMA, 0.88-0.97 of the Triton 64-row tile's time; session 22).
+T=8192 0.96. Where it runs: ``triton_config.gluon_prefill_applies`` (96 rows) and, at 33-64
+rows per expert, ``gluon_prefill_64_applies`` (one 64-row accumulator: with the words by TMA,
+0.88-0.97 of the Triton 64-row tile's time for plain GEMMs, session 22; with the scales by
+TMA, fused SiLU-and-mul too, at 0.90 of the Triton fused tile's, session 23).
 
 GPU only (no interpreter); ``gluon_w4a16.gluon_ready`` says whether it can run. Built by
 Triton 3.6 (the H200's) a step's 32 wgmmas issue as one group; Triton 3.9's build (ptxas
@@ -121,15 +124,25 @@ def _words_box(BK, GATED):
     return [rows, BK // 8], gl.NVMMASharedLayout.get_default_for([rows, BK // 8], gl.int32)
 
 
+@gluon.constexpr_function
+def _scales_box(BK, GATED):
+    """The TMA box of a consumer's scales for two steps (TMA's boxes are at least 16 bytes
+    wide, a step's scales 8): its rows (GATED: a half) x 2 BK/32 groups, and its layout."""
+    rows = WGR.value // 2 if GATED else WGR.value
+    return [rows, BK // 16], gl.NVMMASharedLayout.get_default_for([rows, BK // 16], gl.bfloat16)
+
+
 @gluon.jit
-def _tma_words(w_desc, row0, n_g, N, col, bar, dst, GATED: gl.constexpr):
-    """One step's words of a consumer's rows (``_scale_ptrs``' rows) into ``dst`` by TMA."""
+def _tma_rows(desc, row0, n_g, N, col, bar, dst, GATED: gl.constexpr):
+    """A consumer's rows ``n_g..`` of expert rows ``row0..`` (GATED: WGR/2 gate rows ``n_g..``
+    and their up rows ``N + n_g..``), columns ``col..``, into ``dst`` by TMA: a step's words,
+    or two steps' scales."""
     if GATED:
         half: gl.constexpr = WGR // 2
-        _tma_load(w_desc, [row0 + n_g, col], bar, dst.slice(0, half))
-        _tma_load(w_desc, [row0 + N + n_g, col], bar, dst.slice(half, half))
+        _tma_load(desc, [row0 + n_g, col], bar, dst.slice(0, half))
+        _tma_load(desc, [row0 + N + n_g, col], bar, dst.slice(half, half))
     else:
-        _tma_load(w_desc, [row0 + n_g, col], bar, dst)
+        _tma_load(desc, [row0 + n_g, col], bar, dst)
 
 
 @gluon.jit
@@ -172,23 +185,6 @@ def _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K: gl.conste
 
 
 @gluon.jit
-def _scale_ptrs(s_ptr, expert, n_g, N, K, ROWS: gl.constexpr, BK: gl.constexpr,
-                GATED: gl.constexpr, LW: gl.constexpr):
-    """Scale pointers of one step of ROWS weight rows (one consumer's): rows ``n_g..``
-    (GATED: ROWS/2 gate rows ``n_g..`` and their up rows ``N + n_g..``)."""
-    G: gl.constexpr = BK // 32
-    sc_l: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [LW, 1], [1, 0])
-    base = expert.to(gl.int64) * (2 * N if GATED else N)
-    sr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, sc_l))
-    if GATED:
-        sr = gl.where(sr < ROWS // 2, n_g + sr, N + n_g + sr - ROWS // 2)
-    else:
-        sr = n_g + sr
-    return (s_ptr + (base + sr)[:, None] * ((K // BK) * G)
-            + gl.arange(0, G, layout=gl.SliceLayout(0, sc_l))[None, :])
-
-
-@gluon.jit
 def _tile_count(ntp_ptr, grid_n, grid_m, BT: gl.constexpr):
     """Tiles of this launch: ``grid_n`` weight-row tiles for each of the row blocks that hold
     routes (``moe_align_block_size``'s padded count), at most ``grid_m`` of them."""
@@ -197,8 +193,8 @@ def _tile_count(ntp_ptr, grid_n, grid_m, BT: gl.constexpr):
 
 @gluon.jit
 def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
-            x_ptr, w_desc, s_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
-            OUT_W, N, K, num_routes, stride_xm, TOP_K: gl.constexpr, BK: gl.constexpr,
+            x_ptr, w_desc, s_desc, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
+            OUT_W, N, num_routes, stride_xm, TOP_K: gl.constexpr, BK: gl.constexpr,
             BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
             num_warps: gl.constexpr):
     """Fills the ring for every tile of this program in turn, so the next tile's first slots
@@ -212,8 +208,6 @@ def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, 
             n0 = (t % grid_n) * (2 * OUT_W)
             row0 = (t // grid_n) * BT
             w_row0 = expert * (2 * N if GATED else N)
-            s0_ptrs = _scale_ptrs(s_ptr, expert, n0, N, K, WGR, BK, GATED, num_warps)
-            s1_ptrs = _scale_ptrs(s_ptr, expert, n0 + OUT_W, N, K, WGR, BK, GATED, num_warps)
             x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0,
                               BK, num_warps)
             if BT1 > 0:
@@ -222,18 +216,24 @@ def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, 
             for i in range(num_steps):
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)  # both are done
-                # words by TMA (the expect is the slot's one arrival besides the loader
-                # threads'), scales and gathered X rows by cp.async
-                mbarrier.expect(ready.index(slot), 2 * WGR * (BK // 2))
-                _tma_words(w_desc, w_row0, n0, N, i * (BK // 8), ready.index(slot),
-                           w0_bufs.index(slot), GATED)
-                _tma_words(w_desc, w_row0, n0 + OUT_W, N, i * (BK // 8), ready.index(slot),
-                           w1_bufs.index(slot), GATED)
+                # words (every step) and scales (every other step, for two) by TMA, the
+                # expect being the slot's one arrival besides the loader threads'; the
+                # gathered X rows by cp.async
+                if i % 2 == 0:
+                    mbarrier.expect(ready.index(slot), 2 * WGR * (BK // 2 + BK // 8))
+                    _tma_rows(s_desc, w_row0, n0, N, i * (BK // 32), ready.index(slot),
+                              s0_bufs.index(slot), GATED)
+                    _tma_rows(s_desc, w_row0, n0 + OUT_W, N, i * (BK // 32), ready.index(slot),
+                              s1_bufs.index(slot), GATED)
+                else:
+                    mbarrier.expect(ready.index(slot), 2 * WGR * (BK // 2))
+                _tma_rows(w_desc, w_row0, n0, N, i * (BK // 8), ready.index(slot),
+                          w0_bufs.index(slot), GATED)
+                _tma_rows(w_desc, w_row0, n0 + OUT_W, N, i * (BK // 8), ready.index(slot),
+                          w1_bufs.index(slot), GATED)
                 _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)
                 if BT1 > 0:
                     _cp_async(x1_bufs.index(slot), x1_ptrs + i * BK)
-                _cp_async(s0_bufs.index(slot), s0_ptrs + i * (BK // 32))
-                _cp_async(s1_bufs.index(slot), s1_ptrs + i * (BK // 32))
                 async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
                 g += 1
 
@@ -241,7 +241,8 @@ def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, 
 @gluon.jit
 def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
                ROWS: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr,
-               STAGES: gl.constexpr, num_warps: gl.constexpr, turn, ME: gl.constexpr):
+               STAGES: gl.constexpr, num_warps: gl.constexpr, turn, ME: gl.constexpr,
+               PAIRS: gl.constexpr = True):
     """A consumer's K loop over ROWS weight rows: ``[ROWS, BT0]`` and ``[ROWS, BT1]``
     accumulators; each step retires its own wgmmas (module docstring) and frees its slot.
     ``g0``: the ring position of the first step (steps this program consumed before).
@@ -258,13 +259,23 @@ def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
         mma1: gl.constexpr = _mma_layout(BT1, num_warps)
         a1_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma1, k_width=2)
         acc1 = gl.zeros([ROWS, BT1], gl.float32, mma1)
+    s_l: gl.constexpr = gl.SliceLayout(2, s3_l)
+    G: gl.constexpr = BK // 32
+    s_next = gl.zeros([ROWS, G], gl.bfloat16, s_l)
     gl.assume(num_steps > 0)  # no zero-trip path: ptxas keeps the wgmmas of a step together
     for i in range(num_steps):
         g = g0 + i
         slot = g % STAGES
         mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
         w = w_bufs.index(slot).load(w_l)
-        s = s_bufs.index(slot).load(gl.SliceLayout(2, s3_l))
+        if PAIRS:  # an even step's slot holds this step's and the next one's scales
+            if i % 2 == 0:
+                s = s_bufs.index(slot).slice(0, G, dim=1).load(s_l)
+                s_next = s_bufs.index(slot).slice(G, G, dim=1).load(s_l)
+            else:
+                s = s_next
+        else:
+            s = s_bufs.index(slot).load(s_l)
         a = _dequant(w, s, s3_l, ROWS, BK)
         fence_async_shared()  # X arrived by cp.async (generic proxy); wgmma reads it (async)
         if ME >= 0:  # consumer 0 goes first: step g waits for consumer 1's step g - 1
@@ -338,7 +349,7 @@ def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, o
 
 
 @gluon.jit
-def _w4a16_prefill_kernel(x_ptr, w_desc, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
+def _w4a16_prefill_kernel(x_ptr, w_desc, s_desc, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
                           N, K, num_routes, stride_xm, stride_om, grid_n, grid_m,
                           TOP_K: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
                           BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
@@ -347,11 +358,11 @@ def _w4a16_prefill_kernel(x_ptr, w_desc, s_ptr, out_ptr, sorted_ids_ptr, expert_
     grid_n``, 256-weight-row tile ``t % grid_n``), each over all of K."""
     OUT_W: gl.constexpr = WGR // 2 if GATED else WGR  # output columns per warpgroup
     w_sl: gl.constexpr = w_desc.layout
-    s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    s_sl: gl.constexpr = s_desc.layout
     w0_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
     w1_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
-    s0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
-    s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 32], s_sl)
+    s0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 16], s_sl)
+    s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 16], s_sl)
     x0_bufs, x1_bufs = _x_ring(STAGES, BT0, BT1, BK)
     ready, empty = _ring_barriers(STAGES, 32 * num_warps + 1, 2)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -360,8 +371,8 @@ def _w4a16_prefill_kernel(x_ptr, w_desc, s_ptr, out_ptr, sorted_ids_ptr, expert_
     num_steps = K // BK
     gl.warp_specialize([
         (_loader, (w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
-                   x_ptr, w_desc, s_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
-                   OUT_W, N, K, num_routes, stride_xm, TOP_K, BK, BT0, BT1, GATED, STAGES,
+                   x_ptr, w_desc, s_desc, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
+                   OUT_W, N, num_routes, stride_xm, TOP_K, BK, BT0, BT1, GATED, STAGES,
                    num_warps)),
         (_consumer, (w0_bufs, s0_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
                      sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m, 0, OUT_W,
@@ -399,17 +410,19 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
     if block_n != (WGR.value if gated else 2 * WGR.value):
         raise ValueError(f"the Gluon prefill tile computes {2 * WGR.value} weight rows: "
                          f"block_n {WGR.value if gated else 2 * WGR.value}, got {block_n}")
-    if k % block_k or n % block_n:
-        raise ValueError(f"the Gluon prefill tile needs K % {block_k} == 0 and N % {block_n} "
-                         f"== 0, got K={k}, N={n}")
+    if k % (2 * block_k) or n % block_n:  # scales: a TMA box covers two steps
+        raise ValueError(f"the Gluon prefill tile needs K % {2 * block_k} == 0 and N % "
+                         f"{block_n} == 0, got K={k}, N={n}")
     if x.stride(1) != 1 or x.stride(0) % 8:
         raise ValueError("the Gluon prefill tile needs X rows contiguous and 16-byte aligned")
     tiles = n // block_n * grid_m
     opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order)
     box, layout = _words_box(block_k, gated)
     w_desc = TensorDescriptor.from_tensor(w_packed.view(-1, k // 8), box, layout)
+    box, layout = _scales_box(block_k, gated)
+    s_desc = TensorDescriptor.from_tensor(w_scale.view(-1, k // 32), box, layout)
     _w4a16_prefill_kernel[(min(tiles, _num_sms(x.device)) if persistent else tiles,)](
-        x, w_desc, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
+        x, w_desc, s_desc, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
         num_routes, x.stride(0), out.stride(0), n // block_n, grid_m, maxnreg=_MAXNREG, **opts)
     return out
 
@@ -421,7 +434,9 @@ def compile_sm90(block_m: int = GLUON_PREFILL_TILE.block_m,
     """The tile built for sm_90 on the CPU (``gluon_w4a16.compile_kernel_sm90``: tests, lab);
     by default the shipped one (``triton_config.GLUON_PREFILL_TILE``, ``ORDERED``)."""
     box, layout = _words_box(block_k, gated)
+    s_box, s_layout = _scales_box(block_k, gated)
     return compile_kernel_sm90(_w4a16_prefill_kernel,
                                _launch_options(top_k, block_m, block_k, num_stages, gated, order),
-                               types={"w_desc": f"tensordesc<i32{box},{layout!r}>"},
+                               types={"w_desc": f"tensordesc<i32{box},{layout!r}>",
+                                      "s_desc": f"tensordesc<bf16{s_box},{s_layout!r}>"},
                                maxnreg=_MAXNREG)

@@ -192,8 +192,8 @@ def _gluon_decode_fits(n: int, k: int, gated: bool) -> bool:
 def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = False) -> bool:
     """Whether ``choose_row_tiles`` takes the Gluon 96-row tile (given an sm_90 GPU and
     subnormal weights): over 64 rows per expert where 96-row blocks pad at most 5% more rows
-    than the Triton tiles would (``_triton_padded_rows``), K a multiple of 128 and at least
-    2048, N at least 512 in whole 256-row tiles. So 85 rows take one block of 96 instead of
+    than the Triton tiles would (``_triton_padded_rows``), K as ``_gluon_prefill_k_fits``,
+    N at least 512 in whole 256-row tiles. So 85 rows take one block of 96 instead of
     128, 171 two of 96 as 128 + 64, 341 four as three of 128, 1365 fifteen against eleven of
     128 (2% more); 97-128 rows (two blocks of 96 for one of 128), 150 rows for K > N (192
     against 128 + 32) and 200 keep the Triton tiles. Measured on the H200, same process
@@ -209,20 +209,27 @@ def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = 
     bm = GLUON_PREFILL_TILE.block_m
     pads_less = (math.ceil(rows_per_expert / bm) * bm
                  <= 1.05 * _triton_padded_rows(rows_per_expert, n, k))
-    return (rows_per_expert > 64 and pads_less and k % GLUON_PREFILL_TILE.block_k == 0
-            and k >= 2048 and n >= 512 and n % out_n == 0)
+    return rows_per_expert > 64 and pads_less and _gluon_prefill_k_fits(k) and n >= 512 \
+        and n % out_n == 0
 
 
 def gluon_prefill_64_applies(rows_per_expert: float, n: int, k: int,
                              gated: bool = False) -> bool:
     """Whether ``choose_config`` takes the Gluon tile on 64-row blocks
     (``GLUON_PREFILL_TILE_64``; given an sm_90 GPU and subnormal weights): 33-64 rows per
-    expert (EP8 T=256 and TP8 T=2048: 43), no activation, and the 96-row tile's shape rule.
-    Fused SiLU-and-mul ran 1.18-1.24x the Triton 64-row tile's time there (H200, session 22:
-    its 128-output tiles double the tile count at the same weight reads), so it keeps Triton's.
-    """
-    return (32 < rows_per_expert <= 64 and not gated and k % GLUON_PREFILL_TILE.block_k == 0
-            and k >= 2048 and n >= 512 and n % GLUON_PREFILL_TILE.block_n == 0)
+    expert (EP8 T=256 and TP8 T=2048: 43) and the 96-row tile's shape rule. Fused
+    SiLU-and-mul ran 1.18-1.24x the Triton 64-row tile's time there while the scales went by
+    ``cp.async`` (session 22), 0.90 since they go by TMA (session 23, same process)."""
+    out_n = GLUON_PREFILL_TILE.block_n // (2 if gated else 1)
+    return (32 < rows_per_expert <= 64 and _gluon_prefill_k_fits(k) and n >= 512
+            and n % out_n == 0)
+
+
+def _gluon_prefill_k_fits(k: int) -> bool:
+    """The Gluon prefill tile's K rule: at least 2048, in whole pairs of 128-deep steps (its
+    scales go by TMA two steps at a time, and TMA needs 16-byte aligned row strides: K/32
+    BF16 scales a row)."""
+    return k >= 2048 and k % (2 * GLUON_PREFILL_TILE.block_k) == 0
 
 
 def _triton_padded_rows(rows_per_expert: float, n: int, k: int) -> int:
@@ -297,7 +304,8 @@ def choose_config(
                                    // (2 if gated else 1))
     if (gluon and block_m == 64 and w_order == "subnormal" and not interpret
             and gluon_prefill_64_applies(rows_per_expert, n, k, gated)):
-        return GLUON_PREFILL_TILE_64
+        return dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=GLUON_PREFILL_TILE.block_n
+                                   // (2 if gated else 1))
     cfg = _choose(rows_per_expert, n, k, gated, block_m, w_order != "checkpoint",
                   w_order == "subnormal", interpret)
     # the subnormal tiles are the fragment tiles with the cheaper dequantization (same loads)

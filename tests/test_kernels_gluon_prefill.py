@@ -5,6 +5,7 @@ and on an sm_90 GPU its results against the PyTorch reference (``gpu``-marked)."
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -38,13 +39,15 @@ def test_prefill_tile_config_and_label():
 
 def test_64_row_tile_where_it_won():
     """43 rows per expert (EP8 T=256, TP8 gate_up T=2048) on 64-row blocks: the Gluon tile
-    given an sm_90 GPU (``gluon``) and subnormal weights, plain GEMMs only."""
+    given an sm_90 GPU (``gluon``) and subnormal weights, fused SiLU-and-mul too."""
     assert GLUON_PREFILL_TILE_64.label == "64,256,128,4,4,Z,G"
     for n, k in ((4096, 7168), (7168, 2048), (512, 7168)):
         assert choose_config(42.7, n, k, block_m=64, w_order="subnormal",
                              gluon=True) == GLUON_PREFILL_TILE_64
-    triton = [dict(gluon=False), dict(gated=True), dict(w_order="fragments"),
-              dict(interpret=True)]
+    fused = choose_config(42.7, 2048, 7168, block_m=64, gated=True, w_order="subnormal",
+                          gluon=True)
+    assert fused == dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=128)
+    triton = [dict(gluon=False), dict(w_order="fragments"), dict(interpret=True)]
     for kw in triton:
         args = {"block_m": 64, "w_order": "subnormal", "gluon": True, **kw}
         assert choose_config(42.7, 4096, 7168, **args).backend == "triton", kw
@@ -60,7 +63,8 @@ def test_gluon_prefill_64_applies():
     assert gluon_prefill_64_applies(64.0, 7168, 2048)
     assert not gluon_prefill_64_applies(32.0, 4096, 7168)  # the 32-row tile's rows
     assert not gluon_prefill_64_applies(64.5, 4096, 7168)
-    assert not gluon_prefill_64_applies(42.7, 2048, 7168, gated=True)  # fused lost
+    assert gluon_prefill_64_applies(42.7, 2048, 7168, gated=True)  # 128 outputs a tile
+    assert not gluon_prefill_64_applies(42.7, 2048 + 64, 7168, gated=True)
     assert not gluon_prefill_64_applies(42.7, 4096 + 128, 7168)  # half a 256-row tile
     assert not gluon_prefill_64_applies(42.7, 7168, 256)  # TP8 down: K < 2048
     assert not gluon_prefill_64_applies(42.7, 4096, 7168 + 64)
@@ -110,6 +114,8 @@ def test_gluon_prefill_applies_needs_whole_tiles_and_deep_k():
     assert gluon_prefill_applies(85.3, 2048 + 128, 7168, gated=True)  # 128 per half
     assert not gluon_prefill_applies(85.3, 4096, 1024)  # K < 2048
     assert not gluon_prefill_applies(85.3, 4096, 7168 + 64)  # not whole 128-deep steps
+    assert not gluon_prefill_applies(85.3, 4096, 7168 + 128)  # scales by TMA, two steps a box
+    assert not gluon_prefill_64_applies(43, 4096, 7168 + 128)
 
 
 # ----------------------------------------------------------------------------- sm_90 build
@@ -117,8 +123,8 @@ def test_gluon_prefill_applies_needs_whole_tiles_and_deep_k():
 
 @pytest.mark.usefixtures("real_triton_compile")
 @pytest.mark.parametrize("block_m, gated, accumulators", [
-    (96, False, {"64", "32"}), (96, True, {"64", "32"}), (64, False, {"64"})],
-    ids=["96-plain", "96-silu_mul", "64-plain"])
+    (96, False, {"64", "32"}), (96, True, {"64", "32"}), (64, False, {"64"}),
+    (64, True, {"64"})], ids=["96-plain", "96-silu_mul", "64-plain", "64-silu_mul"])
 def test_sm90_build_is_warp_specialized_wgmma_without_spills(block_m, gated, accumulators):
     """What the tile is, checked in its SASS: register reallocation between the loader and
     the consumer warpgroups (``setmaxnreg``), wgmmas on register A with 64- and 32-row
@@ -170,9 +176,9 @@ def test_sm90_build_takes_turns_at_the_tensor_cores():
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
 @pytest.mark.parametrize("e, n, k, m, top_k, local", [
     (4, 512, 2048, 100, 2, None),  # 16 K steps; 50 rows per expert: one partial 96-row block
-    (3, 256, 384, 150, 2, None),  # 3 K steps (under the ring's 4 slots); 2 blocks, 1 partial
+    (3, 256, 256, 150, 2, None),  # 2 K steps (under the ring's 4 slots); 2 blocks, 1 partial
     (4, 512, 1024, 60, 4, 3),  # expert_map: a remote expert (id -1), its rows untouched
-], ids=["16-steps", "3-steps", "remote"])
+], ids=["16-steps", "2-steps", "remote"])
 @needs_sm90
 def test_prefill_tile_matches_the_reference(e, n, k, m, top_k, local, activation):
     cfg = choose_config(m * top_k / e, n // 2 if activation else n, k, block_m=96,
@@ -183,9 +189,9 @@ def test_prefill_tile_matches_the_reference(e, n, k, m, top_k, local, activation
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
 @pytest.mark.parametrize("e, n, k, m, top_k, local", [
     (4, 512, 2048, 300, 2, None),  # 150 rows per expert: 8 blocks x 2 tiles over 3 programs
-    (4, 512, 384, 300, 2, None),  # 3 K steps a tile: the ring wraps inside a tile
+    (4, 512, 768, 300, 2, None),  # 6 K steps a tile: the ring wraps inside a tile
     (4, 512, 1024, 200, 4, 3),  # a remote expert's blocks skipped in the middle of the walk
-], ids=["16-steps", "3-steps", "remote"])
+], ids=["16-steps", "6-steps", "remote"])
 @needs_sm90
 def test_prefill_tile_walks_more_tiles_than_programs(monkeypatch, e, n, k, m, top_k, local,
                                                      activation):
@@ -200,19 +206,21 @@ def test_prefill_tile_walks_more_tiles_than_programs(monkeypatch, e, n, k, m, to
     check_indexed_tile(96, e, n, k, m, top_k, local, activation, config=cfg)
 
 
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
 @pytest.mark.parametrize("e, n, k, m, top_k, local", [
     (4, 512, 2048, 100, 2, None),  # 16 K steps; 50 rows per expert: one partial 64-row block
-    (3, 512, 384, 80, 2, None),  # 3 K steps (under the ring's 4 slots); 53 rows per expert
+    (3, 512, 256, 80, 2, None),  # 2 K steps (under the ring's 4 slots); 53 rows per expert
     (4, 512, 2048, 60, 3, 3),  # expert_map: a remote expert (id -1), its rows untouched
-], ids=["16-steps", "3-steps", "remote"])
+], ids=["16-steps", "2-steps", "remote"])
 @needs_sm90
-def test_64_row_tile_matches_the_reference(monkeypatch, e, n, k, m, top_k, local):
+def test_64_row_tile_matches_the_reference(monkeypatch, e, n, k, m, top_k, local, activation):
     """The 64-row form (one accumulator, ``GLUON_PREFILL_TILE_64``), persistent over 3
     programs as on a GPU with 3 SMs, so programs walk several tiles."""
     from chordq.kernels import gluon_prefill
 
     monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
-    check_indexed_tile(64, e, n, k, m, top_k, local, None, config=GLUON_PREFILL_TILE_64)
+    cfg = dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=128 if activation else 256)
+    check_indexed_tile(64, e, n, k, m, top_k, local, activation, config=cfg)
 
 
 @needs_sm90
@@ -222,15 +230,15 @@ def test_indexed_heuristic_takes_the_64_row_tile_on_sm90():
     assert indexed_config(2048, 48, 7168, 2048, 64, w_order="subnormal",
                           device="cuda") == GLUON_PREFILL_TILE_64  # EP8 down T=256
     assert indexed_config(2048, 48, 4096, 7168, 64, activation="silu_mul", w_order="subnormal",
-                          device="cuda").backend == "triton"  # fused: Triton's 64-row tile
+                          device="cuda") == dataclasses.replace(GLUON_PREFILL_TILE_64,
+                                                                block_n=128)  # fused
     assert indexed_config(2048, 48, 7168, 2048, 64, w_order="fragments",
                           device="cuda").backend == "triton"
 
 
 @needs_sm90
 def test_fused_moe_at_43_rows_takes_both_64_row_tiles():
-    # 43 rows per expert: gate_up (fused SiLU-and-mul) in the Triton 64-row tile, down in the
-    # Gluon one, on the same 64-row blocks
+    # 43 rows per expert: gate_up (fused SiLU-and-mul) and down in the Gluon 64-row tile
     check_fused_moe_tile(16, 2048, 2048, 86, 3, (64,))
 
 

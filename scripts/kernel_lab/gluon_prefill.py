@@ -36,9 +36,10 @@ dequantization and wgmmas, 8 / 16 / 32 no scale / word / X copies; timing only, 
 are wrong) and ``patches/scale_ring.patch`` (variant 33, not shipped), both against the tile
 before its words went by TMA (they apply at commit 366640e; variant 35, the TMA words, shipped
 in session 22, its A/B script was ``git show 366640e:scripts/kernel_lab/tma_run.sh``). Against
-the shipped tile (4ef166e), for 64-row blocks and plain GEMMs, variants 38-40 (lost):
-``patches/wide.patch`` (512 weight rows), ``patches/quad.patch`` (four 64-row consumers),
-``patches/blocked.patch`` (tile-contiguous words); each module docstring says how to run it.
+the tile of 4ef166e-48db319 (before its scales went by TMA, variant 41), for 64-row blocks and
+plain GEMMs, variants 38-40 (lost; they apply at 48db319): ``patches/wide.patch`` (512 weight
+rows), ``patches/quad.patch`` (four 64-row consumers), ``patches/blocked.patch``
+(tile-contiguous words); each module docstring says how to run it.
 """
 
 from __future__ import annotations
