@@ -79,12 +79,13 @@ from .triton_w4a16 import _num_sms
 __all__ = ["compile_sm90", "moe_gemm_indexed_gluon_prefill", "split_rows"]
 
 WGR = gl.constexpr(128)  # weight rows per consumer warpgroup
-# Registers per consumer thread by block rows; the loader gets the rest of 168 x 12 warps (56
-# or 72). With the words by TMA, 224 against 216 at 96 rows, H200, same process (session 22,
-# two runs): 0.93-1.00 of the time on 25 of 30 rows of EP8 T=512-8192 and TP8 gate_up
-# T=2048-8192, EP8 gate_up T=2048 and 8192 1.01-1.03; at 64 rows 224 lost (gate_up T=256
-# 1.24, down 1.10). With cp.async words 224 starves the loader: 1.03-1.16.
-CONSUMER_REGS = {96: 224, 64: 216}
+# Registers per consumer thread by block rows; the loader gets the rest of 168 x 12 warps (40).
+# With the words by TMA, 224 against 216 at 96 rows (session 22): 0.93-1.00 of the time on 25
+# of 30 rows (with cp.async words 224 starved the loader: 1.03-1.16). With the scales by TMA
+# too the loader holds only X pointers, and 232 against 224 (96 rows) or 216 (64), H200, same
+# process (session 23, one run): EP8 gate_up T=2048 0.96, down 0.96, T=512 1.00-1.01; 64 rows
+# gate_up 0.98, down 1.00, TP8 gate_up T=2048 0.98. 240 spills the loader (CPU sm_90 build).
+CONSUMER_REGS = {96: 232, 64: 232}
 # The consumers take turns issuing their wgmmas (_mma_steps' ME). Turns and 4 ring slots
 # against neither (3 slots), H200, same process (scripts/kernel_lab/gluon_prefill.py, session
 # 18): 0.88-0.99 of the time on EP8 T=256-8192 and TP8 gate_up T=8192, but EP8 down T=512 and

@@ -40,7 +40,7 @@ def test_prefill_tile_config_and_label():
 def test_64_row_tile_where_it_won():
     """43 rows per expert (EP8 T=256, TP8 gate_up T=2048) on 64-row blocks: the Gluon tile
     given an sm_90 GPU (``gluon``) and subnormal weights, fused SiLU-and-mul too."""
-    assert GLUON_PREFILL_TILE_64.label == "64,256,128,4,4,Z,G"
+    assert GLUON_PREFILL_TILE_64.label == "64,256,128,4,5,Z,G"
     for n, k in ((4096, 7168), (7168, 2048), (512, 7168)):
         assert choose_config(42.7, n, k, block_m=64, w_order="subnormal",
                              gluon=True) == GLUON_PREFILL_TILE_64
@@ -129,14 +129,16 @@ def test_sm90_build_is_warp_specialized_wgmma_without_spills(block_m, gated, acc
     """What the tile is, checked in its SASS: register reallocation between the loader and
     the consumer warpgroups (``setmaxnreg``), wgmmas on register A with 64- and 32-row
     accumulators (96-row blocks: ``HGMMA.64x64x16``, ``HGMMA.64x32x16``) or one 64-row one,
-    the words by TMA (``UTMALDG``) and the scales and X rows by cp.async, all signalling
+    the words and scales by TMA (``UTMALDG``) and the X rows by cp.async, all signalling
     mbarriers, ldmatrix reads, and no local-memory spills. (Whether ptxas keeps a step's 32
     wgmmas in one group depends on the Triton: 3.6, on the H200, does; 3.9's build serializes
     them, C7511.)"""
     pytest.importorskip("triton.experimental.gluon")
     from chordq.kernels import gluon_prefill
 
-    kernel = gluon_prefill.compile_sm90(block_m=block_m, gated=gated)
+    tile = GLUON_PREFILL_TILE_64 if block_m == 64 else GLUON_PREFILL_TILE
+    kernel = gluon_prefill.compile_sm90(block_m=block_m, gated=gated,
+                                        num_stages=tile.num_stages)
     sass = _sass(kernel)
     assert "USETMAXREG" in sass
     shapes = set(re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+", sass))
