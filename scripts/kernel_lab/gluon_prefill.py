@@ -85,7 +85,8 @@ def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, a_bufs, ready, empty, num_steps,
                                    num_steps, BN, BK, BT0, BT1, STAGES, num_warps)
     else:  # the shipped tile's loop (kernels/gluon_prefill.py)
         acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, 0, num_steps,
-                                BN, BK, BT0, BT1, STAGES, num_warps, ready, -1)
+                                BN, BK, BT0, BT1, STAGES, num_warps, ready, -1,
+                                False)  # a step's scales per slot, by cp.async
     return acc0, acc1
 
 
