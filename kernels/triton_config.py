@@ -195,7 +195,8 @@ def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = 
     """Whether ``choose_row_tiles`` takes the Gluon 96-row tile (given an sm_90 GPU and
     subnormal weights): over 64 rows per expert where 96-row blocks pad at most 5% more rows
     than the Triton tiles would (``_triton_padded_rows``), K as ``_gluon_prefill_k_fits``,
-    N at least 512 in whole 256-row tiles. So 85 rows take one block of 96 instead of
+    at least 512 weight rows (gated: gate and up; TP8's fused gate_up, 256 + 256, took 0.79 of
+    the Triton fused tiles' time at T=8192, session 23) in whole 256-row tiles. So 85 rows take one block of 96 instead of
     128, 171 two of 96 as 128 + 64, 341 four as three of 128, 1365 fifteen against eleven of
     128 (2% more); 97-128 rows (two blocks of 96 for one of 128), 150 rows for K > N (192
     against 128 + 32) and 200 keep the Triton tiles. Measured on the H200, same process
@@ -211,8 +212,8 @@ def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = 
     bm = GLUON_PREFILL_TILE.block_m
     pads_less = (math.ceil(rows_per_expert / bm) * bm
                  <= 1.05 * _triton_padded_rows(rows_per_expert, n, k))
-    return rows_per_expert > 64 and pads_less and _gluon_prefill_k_fits(k) and n >= 512 \
-        and n % out_n == 0
+    return rows_per_expert > 64 and pads_less and _gluon_prefill_k_fits(k) \
+        and _weight_rows(n, gated) >= 512 and n % out_n == 0
 
 
 def gluon_prefill_64_applies(rows_per_expert: float, n: int, k: int,
@@ -221,10 +222,16 @@ def gluon_prefill_64_applies(rows_per_expert: float, n: int, k: int,
     (``GLUON_PREFILL_TILE_64``; given an sm_90 GPU and subnormal weights): 33-64 rows per
     expert (EP8 T=256 and TP8 T=2048: 43) and the 96-row tile's shape rule. Fused
     SiLU-and-mul ran 1.18-1.24x the Triton 64-row tile's time there while the scales went by
-    ``cp.async`` (session 22), 0.90 since they go by TMA (session 23, same process)."""
+    ``cp.async`` (session 22), 0.90 since they go by TMA (session 23, same process, EP8
+    gate_up T=256 and TP8 gate_up T=2048)."""
     out_n = GLUON_PREFILL_TILE.block_n // (2 if gated else 1)
-    return (32 < rows_per_expert <= 64 and _gluon_prefill_k_fits(k) and n >= 512
-            and n % out_n == 0)
+    return (32 < rows_per_expert <= 64 and _gluon_prefill_k_fits(k)
+            and _weight_rows(n, gated) >= 512 and n % out_n == 0)
+
+
+def _weight_rows(n: int, gated: bool) -> int:
+    """Weight rows of a GEMM of ``n`` output features (``silu_mul``: gate and up rows)."""
+    return 2 * n if gated else n
 
 
 def _gluon_prefill_k_fits(k: int) -> bool:

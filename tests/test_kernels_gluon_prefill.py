@@ -64,6 +64,8 @@ def test_gluon_prefill_64_applies():
     assert not gluon_prefill_64_applies(32.0, 4096, 7168)  # the 32-row tile's rows
     assert not gluon_prefill_64_applies(64.5, 4096, 7168)
     assert gluon_prefill_64_applies(42.7, 2048, 7168, gated=True)  # 128 outputs a tile
+    assert gluon_prefill_64_applies(42.7, 256, 7168, gated=True)  # TP8: 512 weight rows
+    assert not gluon_prefill_64_applies(42.7, 128, 7168, gated=True)
     assert not gluon_prefill_64_applies(42.7, 2048 + 64, 7168, gated=True)
     assert not gluon_prefill_64_applies(42.7, 4096 + 128, 7168)  # half a 256-row tile
     assert not gluon_prefill_64_applies(42.7, 7168, 256)  # TP8 down: K < 2048
@@ -111,6 +113,7 @@ def test_gluon_prefill_applies_needs_whole_tiles_and_deep_k():
     assert gluon_prefill_applies(85.3, 4096, 7168)
     assert not gluon_prefill_applies(85.3, 4096 + 128, 7168)  # half a 256-row tile
     assert not gluon_prefill_applies(85.3, 256, 7168)  # N < 512
+    assert gluon_prefill_applies(170.7, 256, 7168, gated=True)  # TP8 T=8192: 512 weight rows
     assert gluon_prefill_applies(85.3, 2048 + 128, 7168, gated=True)  # 128 per half
     assert not gluon_prefill_applies(85.3, 4096, 1024)  # K < 2048
     assert not gluon_prefill_applies(85.3, 4096, 7168 + 64)  # not whole 128-deep steps
