@@ -11,8 +11,8 @@ per expert (EP8 T=512) pad to 128; here a block is a 64-row and a 32-row accumul
 the same dequantized registers (two wgmmas per step), 96 rows. And Triton 3.6 does not
 warp-specialize this loop; Gluon states the partitions:
 
-- the *loader* (the default partition, 4 warps, few registers) fills a 4-slot shared ring
-  with each 128-deep K step: the words by TMA (one box per consumer, on the slot's ``ready``
+- the *loader* (the default partition, 4 warps, few registers) fills a shared ring (4 slots
+  at 96 rows, 5 at 64) with each 128-deep K step: the words by TMA (one box per consumer, on the slot's ``ready``
   mbarrier with the step's byte count), the scales by TMA too, every other step for two
   steps (a step's 8 bytes a row are under TMA's 16-byte box minimum; the consumers keep the
   second step's in registers), and the gathered X rows by 16-byte ``cp.async``
@@ -250,7 +250,9 @@ def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
 
     ``ME`` 0 or 1 (two consumers): the consumers take turns issuing a step's wgmmas
     (``turn``: two mbarriers, each consumer arrives on the other's after issuing), so one's
-    dequantization overlaps the other's wgmmas instead of both issuing at once; -1: no turns."""
+    dequantization overlaps the other's wgmmas instead of both issuing at once; -1: no turns.
+    ``PAIRS``: an even step's slot holds its own and the next step's scales (``_loader``),
+    else (the kernel lab's tiles) each slot its own step's."""
     w_l: gl.constexpr = _operand_layouts(ROWS, BK, num_warps)[0]
     s3_l: gl.constexpr = _operand_layouts(ROWS, BK, num_warps)[1]
     mma0: gl.constexpr = _mma_layout(BT0, num_warps)
