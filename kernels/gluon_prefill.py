@@ -12,11 +12,12 @@ the same dequantized registers (two wgmmas per step), 96 rows. And Triton 3.6 do
 warp-specialize this loop; Gluon states the partitions:
 
 - the *loader* (the default partition, 4 warps, few registers) fills a shared ring (4 slots
-  at 96 rows, 5 at 64) with each 128-deep K step: the words by TMA (one box per consumer, on the slot's ``ready``
-  mbarrier with the step's byte count), the scales by TMA too, every other step for two
-  steps (a step's 8 bytes a row are under TMA's 16-byte box minimum; the consumers keep the
-  second step's in registers), and the gathered X rows by 16-byte ``cp.async``
-  (``cp.async.mbarrier.arrive.noinc``: one arrival per loader thread, when its copies land).
+  at 96 rows, 5 at 64) with each 128-deep K step: the words by TMA (one box per consumer, on
+  the slot's ``ready`` mbarrier with the step's byte count), the scales by TMA too, every
+  other step for two steps (a step's 8 bytes a row are under TMA's 16-byte box minimum; the
+  consumers keep the second step's in registers), and the gathered X rows by 16-byte
+  ``cp.async`` (``cp.async.mbarrier.arrive.noinc``: one arrival per loader thread, when its
+  copies land).
   TMA frees the loader's registers for the consumers (``CONSUMER_REGS``; kernel_notes
   variant 35) and spares the scales' 8-byte copies, a cache line per row (variant 41);
 - two *consumer* warpgroups (worker partitions of 4 warps) each own 128 weight rows of the

@@ -194,12 +194,11 @@ def _gluon_decode_fits(n: int, k: int, gated: bool) -> bool:
 def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = False) -> bool:
     """Whether ``choose_row_tiles`` takes the Gluon 96-row tile (given an sm_90 GPU and
     subnormal weights): over 64 rows per expert where 96-row blocks pad at most 5% more rows
-    than the Triton tiles would (``_triton_padded_rows``), K as ``_gluon_prefill_k_fits``,
-    at least 512 weight rows (gated: gate and up; TP8's fused gate_up, 256 + 256, took 0.79 of
-    the Triton fused tiles' time at T=8192, session 23) in whole 256-row tiles. So 85 rows take one block of 96 instead of
-    128, 171 two of 96 as 128 + 64, 341 four as three of 128, 1365 fifteen against eleven of
-    128 (2% more); 97-128 rows (two blocks of 96 for one of 128), 150 rows for K > N (192
-    against 128 + 32) and 200 keep the Triton tiles. Measured on the H200, same process
+    than the Triton tiles would (``_triton_padded_rows``), and ``_gluon_prefill_fits``' shape
+    rule. So 85 rows take one block of 96 instead of 128, 171 two of 96 as 128 + 64, 341 four
+    as three of 128, 1365 fifteen against eleven of 128 (2% more); 97-128 rows (two blocks of
+    96 for one of 128), 150 rows for K > N (192 against 128 + 32) and 200 keep the Triton
+    tiles. Measured on the H200, same process
     (scripts/kernel_lab/gluon_prefill.py, session 18, one or two runs), as a fraction of the
     Triton tiles' time: EP8 T=512 (85 rows) gate_up 0.85-0.89, down 0.82-0.84; T=1024 (171)
     0.82-0.92 / 0.93; T=2048 (341) 0.97-1.00 / 0.89-0.99; T=8192 (1365) 0.94 / 0.87; TP8
@@ -208,12 +207,10 @@ def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = 
 
     :param n: output features (with ``gated``, ``silu_mul``: per half; a tile then covers 128)
     """
-    out_n = GLUON_PREFILL_TILE.block_n // (2 if gated else 1)
     bm = GLUON_PREFILL_TILE.block_m
     pads_less = (math.ceil(rows_per_expert / bm) * bm
                  <= 1.05 * _triton_padded_rows(rows_per_expert, n, k))
-    return rows_per_expert > 64 and pads_less and _gluon_prefill_k_fits(k) \
-        and _weight_rows(n, gated) >= 512 and n % out_n == 0
+    return rows_per_expert > 64 and pads_less and _gluon_prefill_fits(n, k, gated)
 
 
 def gluon_prefill_64_applies(rows_per_expert: float, n: int, k: int,
@@ -224,21 +221,23 @@ def gluon_prefill_64_applies(rows_per_expert: float, n: int, k: int,
     SiLU-and-mul ran 1.18-1.24x the Triton 64-row tile's time there while the scales went by
     ``cp.async`` (session 22), 0.90 since they go by TMA (session 23, same process, EP8
     gate_up T=256 and TP8 gate_up T=2048)."""
-    out_n = GLUON_PREFILL_TILE.block_n // (2 if gated else 1)
-    return (32 < rows_per_expert <= 64 and _gluon_prefill_k_fits(k)
-            and _weight_rows(n, gated) >= 512 and n % out_n == 0)
+    return 32 < rows_per_expert <= 64 and _gluon_prefill_fits(n, k, gated)
 
 
-def _weight_rows(n: int, gated: bool) -> int:
-    """Weight rows of a GEMM of ``n`` output features (``silu_mul``: gate and up rows)."""
-    return 2 * n if gated else n
+def _gluon_prefill_out_n(gated: bool) -> int:
+    """Output columns of a Gluon prefill tile: 256 weight rows, with ``silu_mul`` 128 per half."""
+    return GLUON_PREFILL_TILE.block_n // (2 if gated else 1)
 
 
-def _gluon_prefill_k_fits(k: int) -> bool:
-    """The Gluon prefill tile's K rule: at least 2048, in whole pairs of 128-deep steps (its
-    scales go by TMA two steps at a time, and TMA needs 16-byte aligned row strides: K/32
-    BF16 scales a row)."""
-    return k >= 2048 and k % (2 * GLUON_PREFILL_TILE.block_k) == 0
+def _gluon_prefill_fits(n: int, k: int, gated: bool) -> bool:
+    """The Gluon prefill tile's shape rule, at either block size: N in whole tiles
+    (``_gluon_prefill_out_n``) of at least 512 weight rows (gated: gate and up rows; TP8's
+    fused gate_up, 256 + 256, took 0.79 of the Triton fused tiles' time at T=8192, session 23),
+    K at least 2048 in whole pairs of 128-deep steps (the scales go by TMA two steps at a time,
+    and TMA needs 16-byte aligned row strides: K/32 BF16 scales a row)."""
+    weight_rows = 2 * n if gated else n
+    return (weight_rows >= 512 and n % _gluon_prefill_out_n(gated) == 0 and k >= 2048
+            and k % (2 * GLUON_PREFILL_TILE.block_k) == 0)
 
 
 def _triton_padded_rows(rows_per_expert: float, n: int, k: int) -> int:
@@ -309,12 +308,10 @@ def choose_config(
                              f"and w_order='subnormal' weights")
         if block_m == 8:
             return GLUON_DECODE_TILE
-        return dataclasses.replace(GLUON_PREFILL_TILE, block_n=GLUON_PREFILL_TILE.block_n
-                                   // (2 if gated else 1))
+        return dataclasses.replace(GLUON_PREFILL_TILE, block_n=_gluon_prefill_out_n(gated))
     if (gluon and block_m == 64 and w_order == "subnormal" and not interpret
             and gluon_prefill_64_applies(rows_per_expert, n, k, gated)):
-        return dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=GLUON_PREFILL_TILE.block_n
-                                   // (2 if gated else 1))
+        return dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=_gluon_prefill_out_n(gated))
     cfg = _choose(rows_per_expert, n, k, gated, block_m, w_order != "checkpoint",
                   w_order == "subnormal", interpret)
     # the subnormal tiles are the fragment tiles with the cheaper dequantization (same loads)

@@ -70,6 +70,7 @@ def test_gluon_prefill_64_applies():
     assert not gluon_prefill_64_applies(42.7, 4096 + 128, 7168)  # half a 256-row tile
     assert not gluon_prefill_64_applies(42.7, 7168, 256)  # TP8 down: K < 2048
     assert not gluon_prefill_64_applies(42.7, 4096, 7168 + 64)
+    assert not gluon_prefill_64_applies(43, 4096, 7168 + 128)  # scales by TMA, two steps a box
 
 
 def test_split_rows():
@@ -118,7 +119,6 @@ def test_gluon_prefill_applies_needs_whole_tiles_and_deep_k():
     assert not gluon_prefill_applies(85.3, 4096, 1024)  # K < 2048
     assert not gluon_prefill_applies(85.3, 4096, 7168 + 64)  # not whole 128-deep steps
     assert not gluon_prefill_applies(85.3, 4096, 7168 + 128)  # scales by TMA, two steps a box
-    assert not gluon_prefill_64_applies(43, 4096, 7168 + 128)
 
 
 # ----------------------------------------------------------------------------- sm_90 build
