@@ -86,6 +86,15 @@ chordq's subnormal scales, ``subnormal_scales(scale)`` (the Triton kernels'
 reference's value, in 12 instructions per word instead of 15. Scales must satisfy ``|s| <
 0.498`` (larger ones would overflow BF16).
 
+chordq's row blocks, ``row_blocks(t)`` (the Triton and Gluon kernels' ``w_order="blocked"``:
+fragment-order words and subnormal scales, each in row blocks): any ``[E, N, C]`` tensor of
+words (``C = K/8``) or scales (``C = K/32``) in the memory order ``[E, N/128, K/256, 128,
+C/(K/256)]``, same shape and dtype: the 128 rows of one 256-deep K step (128 B of words or 16 B
+of scales each) are one contiguous piece (16 KB of words), where the checkpoint order puts
+them K/2 bytes apart. A decode tile's step is then one DRAM stream, not 128 (H200: 0.91-0.95
+of the time of the same tile on the unblocked words, docs/kernel_notes.md variant 46).
+Requires ``N % 128 == 0`` and ``K % 256 == 0``; with ``K = 256`` it is the identity.
+
 Grouped scale, ``chord_grouped_scale(scale)``: the plain transpose ``[E, K/32, N]`` (N
 contiguous), no 8 x 8 permutation. Requires ``N % 64 == 0``.
 """
@@ -116,6 +125,10 @@ __all__ = [
     "SUBNORMAL_SCALE_EXP",
     "subnormal_scales",
     "subnormal_scales_inverse",
+    "ROW_BLOCK",
+    "K_BLOCK",
+    "row_blocks",
+    "row_blocks_inverse",
 ]
 
 PACK_FACTOR = 8  # int4 codes per int32 word
@@ -468,3 +481,32 @@ def _group_codes(words: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"K={8 * words.shape[-1]} is not a multiple of 32")
     codes = unpack_codes(words)
     return codes.reshape(*codes.shape[:-1], codes.shape[-1] // 32, 32)
+
+
+ROW_BLOCK = 128  # rows of one row_blocks piece
+K_BLOCK = 256  # K of one row_blocks piece (32 words or 8 scales a row)
+
+
+def _row_block_view(t: torch.Tensor, k: int, name: str) -> tuple[int, int, int, int]:
+    if t.dim() != 3:
+        raise ValueError(f"{name} takes [E, N, C] words or scales, got {tuple(t.shape)}")
+    e, n, c = t.shape
+    if n % ROW_BLOCK or k % K_BLOCK:
+        raise ValueError(f"{name} needs N % {ROW_BLOCK} == 0 and K % {K_BLOCK} == 0, got "
+                         f"N={n}, K={k}")
+    return e, n // ROW_BLOCK, k // K_BLOCK, c // (k // K_BLOCK)
+
+
+def row_blocks(t: torch.Tensor, k: int) -> torch.Tensor:
+    """Words ``[E, N, K/8]`` or scales ``[E, N, K/32]`` of a K-deep weight -> row blocks
+    (docstring above), same shape."""
+    e, nb, kb, per = _row_block_view(t, k, "row_blocks")
+    v = t.reshape(e, nb, ROW_BLOCK, kb, per).permute(0, 1, 3, 2, 4)
+    return v.contiguous().reshape(t.shape)
+
+
+def row_blocks_inverse(t: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact inverse of :func:`row_blocks`."""
+    e, nb, kb, per = _row_block_view(t, k, "row_blocks_inverse")
+    v = t.reshape(e, nb, kb, ROW_BLOCK, per).permute(0, 1, 3, 2, 4)
+    return v.contiguous().reshape(t.shape)

@@ -12,6 +12,8 @@ from chordq.layout import (
     fragment_order_inverse,
     pack_codes,
     pack_int4,
+    row_blocks,
+    row_blocks_inverse,
     subnormal_scales,
     subnormal_scales_inverse,
     unpack_codes,
@@ -97,6 +99,28 @@ def test_subnormal_scales_golden_bits_and_range():
         subnormal_scales(torch.tensor([0.01, -0.5], dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="BF16"):
         subnormal_scales(s.float())
+
+
+def test_row_blocks_golden_positions():
+    # words [E=2, N=256, K/8=64] (K=512: two pieces a row) holding their own (e, n, w) index:
+    # flat position ((e * 2 + n // 128) * 2 + w // 32) * 4096 + (n % 128) * 32 + w % 32
+    e, n, c = torch.meshgrid(torch.arange(2), torch.arange(256), torch.arange(64), indexing="ij")
+    words = ((e * 256 + n) * 64 + c).to(torch.int32)
+    flat = row_blocks(words, 512).view(-1)
+    for ei, ni, wi in ((0, 0, 0), (0, 0, 33), (0, 127, 31), (0, 128, 0), (1, 200, 40)):
+        at = ((ei * 2 + ni // 128) * 2 + wi // 32) * 4096 + (ni % 128) * 32 + wi % 32
+        assert int(flat[at]) == (ei * 256 + ni) * 64 + wi
+    # scales [1, 128, K/32 = 16]: piece p holds groups 8p..8p+7 of all 128 rows
+    scales = torch.arange(128 * 16, dtype=torch.float32).reshape(1, 128, 16).bfloat16()
+    got = row_blocks(scales, 512).view(2, 128, 8)
+    assert torch.equal(got[1, 5], scales[0, 5, 8:])
+    assert torch.equal(row_blocks_inverse(row_blocks(words, 512), 512), words)
+    # one piece a row block (K = 256): the order is unchanged
+    assert torch.equal(row_blocks(words[:, :, :32].contiguous(), 256), words[:, :, :32])
+    with pytest.raises(ValueError, match="N % 128 == 0 and K % 256 == 0"):
+        row_blocks(words[:, :192], 512)
+    with pytest.raises(ValueError, match="K=384"):
+        row_blocks(words[:, :, :48], 384)
 
 
 def test_fragment_order_round_trip_stays_in_group():
