@@ -135,16 +135,30 @@ def _scales_box(BK, GATED):
 
 
 @gluon.jit
-def _tma_rows(desc, row0, n_g, N, col, bar, dst, GATED: gl.constexpr):
+def _tma_at(desc, row, col, bar, dst, BLOCKED: gl.constexpr, KB, INNER: gl.constexpr):
+    """Rows ``row..`` (within one 128-row block), columns ``col..`` of the weights into ``dst``
+    by TMA. BLOCKED (``chordq.layout.row_blocks``, the descriptor over ``[pieces x 128, INNER]``
+    rows: 32 words or 8 scales): piece ``(row // 128) KB + col // INNER`` of the ``KB = K/256``
+    pieces a row block, its row ``row % 128``, column ``col % INNER``."""
+    if BLOCKED:
+        _tma_load(desc, [((row // 128) * KB + col // INNER) * 128 + row % 128, col % INNER],
+                  bar, dst)
+    else:
+        _tma_load(desc, [row, col], bar, dst)
+
+
+@gluon.jit
+def _tma_rows(desc, row0, n_g, N, col, bar, dst, GATED: gl.constexpr, BLOCKED: gl.constexpr,
+              KB, INNER: gl.constexpr):
     """A consumer's rows ``n_g..`` of expert rows ``row0..`` (GATED: WGR/2 gate rows ``n_g..``
     and their up rows ``N + n_g..``), columns ``col..``, into ``dst`` by TMA: a step's words,
     or two steps' scales."""
     if GATED:
         half: gl.constexpr = WGR // 2
-        _tma_load(desc, [row0 + n_g, col], bar, dst.slice(0, half))
-        _tma_load(desc, [row0 + N + n_g, col], bar, dst.slice(half, half))
+        _tma_at(desc, row0 + n_g, col, bar, dst.slice(0, half), BLOCKED, KB, INNER)
+        _tma_at(desc, row0 + N + n_g, col, bar, dst.slice(half, half), BLOCKED, KB, INNER)
     else:
-        _tma_load(desc, [row0 + n_g, col], bar, dst)
+        _tma_at(desc, row0 + n_g, col, bar, dst, BLOCKED, KB, INNER)
 
 
 @gluon.jit
@@ -198,10 +212,11 @@ def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, 
             x_ptr, w_desc, s_desc, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
             OUT_W, N, num_routes, stride_xm, TOP_K: gl.constexpr, BK: gl.constexpr,
             BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
-            num_warps: gl.constexpr):
+            BLOCKED: gl.constexpr, num_warps: gl.constexpr):
     """Fills the ring for every tile of this program in turn, so the next tile's first slots
     fill while the consumers finish and store the last one."""
     BT: gl.constexpr = BT0 + BT1
+    kb = num_steps * BK // 256  # row-block pieces a row (BLOCKED)
     g = 0  # ring position: steps loaded by this program so far
     for t in range(gl.program_id(0), _tile_count(ntp_ptr, grid_n, grid_m, BT),
                    gl.num_programs(0)):
@@ -224,15 +239,15 @@ def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, 
                 if i % 2 == 0:
                     mbarrier.expect(ready.index(slot), 2 * WGR * (BK // 2 + BK // 8))
                     _tma_rows(s_desc, w_row0, n0, N, i * (BK // 32), ready.index(slot),
-                              s0_bufs.index(slot), GATED)
+                              s0_bufs.index(slot), GATED, BLOCKED, kb, 8)
                     _tma_rows(s_desc, w_row0, n0 + OUT_W, N, i * (BK // 32), ready.index(slot),
-                              s1_bufs.index(slot), GATED)
+                              s1_bufs.index(slot), GATED, BLOCKED, kb, 8)
                 else:
                     mbarrier.expect(ready.index(slot), 2 * WGR * (BK // 2))
                 _tma_rows(w_desc, w_row0, n0, N, i * (BK // 8), ready.index(slot),
-                          w0_bufs.index(slot), GATED)
+                          w0_bufs.index(slot), GATED, BLOCKED, kb, 32)
                 _tma_rows(w_desc, w_row0, n0 + OUT_W, N, i * (BK // 8), ready.index(slot),
-                          w1_bufs.index(slot), GATED)
+                          w1_bufs.index(slot), GATED, BLOCKED, kb, 32)
                 _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)
                 if BT1 > 0:
                     _cp_async(x1_bufs.index(slot), x1_ptrs + i * BK)
@@ -357,7 +372,8 @@ def _w4a16_prefill_kernel(x_ptr, w_desc, s_desc, out_ptr, sorted_ids_ptr, expert
                           N, K, num_routes, stride_xm, stride_om, grid_n, grid_m,
                           TOP_K: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
                           BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
-                          CREGS: gl.constexpr, ORDER: gl.constexpr, num_warps: gl.constexpr):
+                          CREGS: gl.constexpr, ORDER: gl.constexpr, BLOCKED: gl.constexpr,
+                          num_warps: gl.constexpr):
     """Tiles ``t = program, program + programs, ..``: (``BT0 + BT1``-row block ``t //
     grid_n``, 256-weight-row tile ``t % grid_n``), each over all of K."""
     OUT_W: gl.constexpr = WGR // 2 if GATED else WGR  # output columns per warpgroup
@@ -377,7 +393,7 @@ def _w4a16_prefill_kernel(x_ptr, w_desc, s_desc, out_ptr, sorted_ids_ptr, expert
         (_loader, (w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
                    x_ptr, w_desc, s_desc, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
                    OUT_W, N, num_routes, stride_xm, TOP_K, BK, BT0, BT1, GATED, STAGES,
-                   num_warps)),
+                   BLOCKED, num_warps)),
         (_consumer, (w0_bufs, s0_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
                      sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m, 0, OUT_W,
                      num_routes, stride_om, BK, BT0, BT1, GATED, STAGES,
@@ -393,22 +409,36 @@ _MAXNREG = 168  # 12 warps (loader + two consumer warpgroups), one CTA per SM: 6
 
 
 def _launch_options(top_k: int, block_m: int, block_k: int, num_stages: int,
-                    gated: bool, order: bool = ORDERED) -> dict:
+                    gated: bool, order: bool = ORDERED, blocked: bool = False) -> dict:
     bt0, bt1 = split_rows(block_m)
     return {"TOP_K": top_k, "BK": block_k, "BT0": bt0, "BT1": bt1, "GATED": gated,
             "STAGES": num_stages, "CREGS": CONSUMER_REGS.get(block_m, 216), "ORDER": order,
-            "num_warps": 4}
+            "BLOCKED": blocked, "num_warps": 4}
+
+
+def _descriptors(w_packed, w_scale, k: int, block_k: int, gated: bool, blocked: bool):
+    """TMA descriptors of the words and scales: rows of K/8 words and K/32 scales, or with
+    ``blocked`` (``chordq.layout.row_blocks``) rows of one piece, 32 words and 8 scales."""
+    box, layout = _words_box(block_k, gated)
+    w_desc = TensorDescriptor.from_tensor(w_packed.view(-1, 32 if blocked else k // 8), box,
+                                          layout)
+    box, layout = _scales_box(block_k, gated)
+    s_desc = TensorDescriptor.from_tensor(w_scale.view(-1, 8 if blocked else k // 32), box,
+                                          layout)
+    return w_desc, s_desc
 
 
 def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, expert_ids,
                                    num_tokens_post_padded, top_k, out, *, num_routes, grid_m,
                                    block_m, block_n, block_k, num_stages, gated,
-                                   order: bool = ORDERED, persistent: bool = PERSISTENT):
+                                   order: bool = ORDERED, persistent: bool = PERSISTENT,
+                                   blocked: bool = False):
     """Launch the prefill tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
     (subnormal weights, ``block_m``-row alignment) and calls this for its configs
     (``triton_config.GLUON_PREFILL_TILE``). ``block_n``: output columns per tile.
     ``persistent``: one program per SM shares the ``grid_m x N / block_n`` tiles (module
-    docstring), else one program per tile."""
+    docstring), else one program per tile. ``blocked``: the weights are in
+    ``chordq.layout.row_blocks`` (``w_order="blocked"``)."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
     if block_n != (WGR.value if gated else 2 * WGR.value):
@@ -419,12 +449,12 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
                          f"{block_n} == 0, got K={k}, N={n}")
     if x.stride(1) != 1 or x.stride(0) % 8:
         raise ValueError("the Gluon prefill tile needs X rows contiguous and 16-byte aligned")
+    if blocked and block_k > 128:  # two steps' scales: one piece's 8
+        raise ValueError(f"the Gluon prefill tile on row blocks needs block_k <= 128, got "
+                         f"{block_k}")
     tiles = n // block_n * grid_m
-    opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order)
-    box, layout = _words_box(block_k, gated)
-    w_desc = TensorDescriptor.from_tensor(w_packed.view(-1, k // 8), box, layout)
-    box, layout = _scales_box(block_k, gated)
-    s_desc = TensorDescriptor.from_tensor(w_scale.view(-1, k // 32), box, layout)
+    opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order, blocked)
+    w_desc, s_desc = _descriptors(w_packed, w_scale, k, block_k, gated, blocked)
     _w4a16_prefill_kernel[(min(tiles, _num_sms(x.device)) if persistent else tiles,)](
         x, w_desc, s_desc, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
         num_routes, x.stride(0), out.stride(0), n // block_n, grid_m, maxnreg=_MAXNREG, **opts)
@@ -434,13 +464,14 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
 def compile_sm90(block_m: int = GLUON_PREFILL_TILE.block_m,
                  block_k: int = GLUON_PREFILL_TILE.block_k,
                  num_stages: int = GLUON_PREFILL_TILE.num_stages, gated: bool = False,
-                 top_k: int = 8, order: bool = ORDERED):
+                 top_k: int = 8, order: bool = ORDERED, blocked: bool = True):
     """The tile built for sm_90 on the CPU (``gluon_w4a16.compile_kernel_sm90``: tests, lab);
     by default the shipped one (``triton_config.GLUON_PREFILL_TILE``, ``ORDERED``)."""
     box, layout = _words_box(block_k, gated)
     s_box, s_layout = _scales_box(block_k, gated)
     return compile_kernel_sm90(_w4a16_prefill_kernel,
-                               _launch_options(top_k, block_m, block_k, num_stages, gated, order),
+                               _launch_options(top_k, block_m, block_k, num_stages, gated, order,
+                                               blocked),
                                types={"w_desc": f"tensordesc<i32{box},{layout!r}>",
                                       "s_desc": f"tensordesc<bf16{s_box},{s_layout!r}>"},
                                maxnreg=_MAXNREG)

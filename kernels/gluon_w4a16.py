@@ -116,10 +116,12 @@ def _dequant_mma(w, s, x, acc, a_layout: gl.constexpr, b_layout: gl.constexpr,
 def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
                          N, K, num_routes, stride_xm, stride_om,
                          TOP_K: gl.constexpr, BN: gl.constexpr, GATED: gl.constexpr,
-                         STAGES: gl.constexpr, num_warps: gl.constexpr):
+                         STAGES: gl.constexpr, BLOCKED: gl.constexpr, num_warps: gl.constexpr):
     """One (8-row block, column tile): ``C^T [BN, 8]`` over all of K, then the store. With
     GATED the tile's rows are ``BN / 2`` gate rows and the matching up rows (``N + n``), kept
-    in the same threads (the top row bit is a register bit) for the fused SiLU-and-mul."""
+    in the same threads (the top row bit is a register bit) for the fused SiLU-and-mul.
+    BLOCKED: words and scales in ``chordq.layout.row_blocks`` (a step of 128 rows is one
+    16 KB piece of words)."""
     w_l: gl.constexpr = _layouts(BN, num_warps)[0]
     s3_l: gl.constexpr = _layouts(BN, num_warps)[1]
     x_l: gl.constexpr = _layouts(BN, num_warps)[2]
@@ -153,9 +155,19 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
             wr = n0 + wr
             sr = n0 + sr
         wc = gl.arange(0, 32, layout=gl.SliceLayout(0, wc_l))
-        w_ptrs = w_ptr + expert * n_w * k8 + wr[:, None] * k8 + wc[None, :]
         sc = gl.arange(0, 8, layout=gl.SliceLayout(0, sc_l))
-        s_ptrs = s_ptr + expert * n_w * ks + sr[:, None] * ks + sc[None, :]
+        if BLOCKED:  # row block r // 128 (128 k8 words), row r % 128 of each piece
+            w_ptrs = (w_ptr + expert * n_w * k8 + (wr // 128)[:, None] * (128 * k8)
+                      + (wr % 128)[:, None] * 32 + wc[None, :])
+            s_ptrs = (s_ptr + expert * n_w * ks + (sr // 128)[:, None] * (128 * ks)
+                      + (sr % 128)[:, None] * 8 + sc[None, :])
+            w_step = 4096  # words and scales from one piece to the next: 128 rows
+            s_step = 1024
+        else:
+            w_ptrs = w_ptr + expert * n_w * k8 + wr[:, None] * k8 + wc[None, :]
+            s_ptrs = s_ptr + expert * n_w * ks + sr[:, None] * ks + sc[None, :]
+            w_step = 32
+            s_step = 8
         xr = gl.arange(0, BT, layout=gl.SliceLayout(1, xc_l))
         xc = gl.arange(0, BK, layout=gl.SliceLayout(0, xc_l))
         routes = gl.load(sorted_ids_ptr + pid_b * BT + xr)
@@ -168,9 +180,9 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
         num_steps = K // BK
         for i in gl.static_range(STAGES - 1):
             ok = i < num_steps
-            _cp_async(w_smem.index(i), w_ptrs + i * 32, mask=ok)
+            _cp_async(w_smem.index(i), w_ptrs + i * w_step, mask=ok)
             _cp_async(x_smem.index(i), x_ptrs + i * BK, mask=ok)
-            _cp_async(s_smem.index(i), s_ptrs + i * 8, mask=ok)
+            _cp_async(s_smem.index(i), s_ptrs + i * s_step, mask=ok)
             async_copy.commit_group()
         acc = gl.zeros([BN, BT], gl.float32, mma)
         for step in range(num_steps):
@@ -178,9 +190,9 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
             slot = nxt % STAGES
             ok = nxt < num_steps
             _barrier()  # every warp is done with this slot (step - 1's data)
-            _cp_async(w_smem.index(slot), w_ptrs + nxt * 32, mask=ok)
+            _cp_async(w_smem.index(slot), w_ptrs + nxt * w_step, mask=ok)
             _cp_async(x_smem.index(slot), x_ptrs + nxt * BK, mask=ok)
-            _cp_async(s_smem.index(slot), s_ptrs + nxt * 8, mask=ok)
+            _cp_async(s_smem.index(slot), s_ptrs + nxt * s_step, mask=ok)
             async_copy.commit_group()
             async_copy.wait_group(STAGES - 1)
             _barrier()  # step's copies, made by all threads, are visible
@@ -207,9 +219,10 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
                            sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
                            num_tokens_post_padded: torch.Tensor, top_k: int, out: torch.Tensor,
                            *, num_routes: int, grid_m: int, block_n: int, num_warps: int,
-                           num_stages: int, gated: bool) -> torch.Tensor:
+                           num_stages: int, gated: bool, blocked: bool = False) -> torch.Tensor:
     """Launch the 8-row tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
-    (subnormal weights, 8-row alignment) and calls this for ``backend="gluon"`` configs."""
+    (subnormal weights, 8-row alignment) and calls this for ``backend="gluon"`` configs.
+    ``blocked``: the weights are in ``chordq.layout.row_blocks`` (``w_order="blocked"``)."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
     out_n = block_n // 2 if gated else block_n
@@ -221,7 +234,7 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
     _w4a16_decode_kernel[(n // out_n, grid_m)](
         x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
         n, k, num_routes, x.stride(0), out.stride(0), TOP_K=top_k, BN=block_n, GATED=gated,
-        STAGES=num_stages, num_warps=num_warps)
+        STAGES=num_stages, BLOCKED=blocked, num_warps=num_warps)
     return out
 
 
@@ -249,8 +262,8 @@ def compile_kernel_sm90(fn, consts: dict, types: dict | None = None, **options):
 
 
 def compile_sm90(block_n: int = 128, num_warps: int = 4, num_stages: int = 2, gated: bool = False,
-                 top_k: int = 8):
+                 top_k: int = 8, blocked: bool = True):
     """The decode tile built for sm_90 on the CPU (``compile_kernel_sm90``: tests, kernel lab)."""
     return compile_kernel_sm90(_w4a16_decode_kernel, {
         "TOP_K": top_k, "BN": block_n, "GATED": gated, "STAGES": num_stages,
-        "num_warps": num_warps})
+        "BLOCKED": blocked, "num_warps": num_warps})

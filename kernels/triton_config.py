@@ -19,12 +19,16 @@ __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
 GROUP_SIZE = 32
 K_ORDERS = ("natural", "planes", "pairs", "fragments", "subnormal")
 # How the weights were converted at load time: "checkpoint" (as written), "fragments" (words in
-# chordq.layout.fragment_order), "subnormal" (those words and chordq.layout.subnormal_scales).
-W_ORDERS = ("checkpoint", "fragments", "subnormal")
+# chordq.layout.fragment_order), "subnormal" (those words and chordq.layout.subnormal_scales),
+# "blocked" (the subnormal weights in chordq.layout.row_blocks: N % 128 == 0, K % 256 == 0).
+W_ORDERS = ("checkpoint", "fragments", "subnormal", "blocked")
+# the w_orders the subnormal tiles read ("blocked": the same tiles, row-block addressing)
+SUBNORMAL_W_ORDERS = ("subnormal", "blocked")
 # the k_order that reads each w_order's weights (None: any of the checkpoint-order ones)
-K_ORDER_OF = {"checkpoint": None, "fragments": "fragments", "subnormal": "subnormal"}
-# and back: the w_order a k_order reads ("checkpoint" for the others)
-W_ORDER_OF = {k: w for w, k in K_ORDER_OF.items() if k}
+K_ORDER_OF = {"checkpoint": None, "fragments": "fragments", "subnormal": "subnormal",
+              "blocked": "subnormal"}
+# and back: the unblocked w_order a k_order reads ("checkpoint" for the others)
+W_ORDER_OF = {"fragments": "fragments", "subnormal": "subnormal"}
 
 
 def _is_pow2(x: int) -> bool:
@@ -50,7 +54,8 @@ class W4A16Config:
         ``chordq.layout.fragment_order``, so X is not permuted; needs ``w_order="fragments"``);
         ``"subnormal"`` (fragment words and ``chordq.layout.subnormal_scales``: each BF16 pair
         is masked into subnormal range and finished by one fma, 12 instructions per word
-        instead of 15; needs ``w_order="subnormal"``).
+        instead of 15; needs ``w_order`` ``"subnormal"`` or ``"blocked"``, the same weights in
+        ``chordq.layout.row_blocks``, read by the same tiles).
     :param split_k: split the K steps over this many programs per output tile (indexed path):
         FP32 partials, then a reduce kernel. For grids too thin to fill the GPU.
     :param max_registers: cap on registers per thread (Triton's ``maxnreg``), to fit more CTAs
@@ -285,8 +290,9 @@ def choose_config(
     :param gated: the tile computes gate and up halves (a ``2 block_n``-row weight tile)
     :param block_m: force the row tile (e.g. to reuse one ``moe_align_block_size`` result)
     :param w_order: ``"checkpoint"`` (words as written), ``"fragments"``
-        (``chordq.layout.fragment_order``) or ``"subnormal"`` (those words and
-        ``chordq.layout.subnormal_scales``, the fastest); decides ``k_order``
+        (``chordq.layout.fragment_order``), ``"subnormal"`` (those words and
+        ``chordq.layout.subnormal_scales``) or ``"blocked"`` (those in
+        ``chordq.layout.row_blocks``, the fastest); decides ``k_order``
     :param interpret: for Triton's CPU interpreter (CPU tensors), which pays per operation
         more than per element: big tiles, one stage
     :param gluon: the Gluon tiles can run (an sm_90 GPU: ``gluon_w4a16.gluon_ready``); with
@@ -303,19 +309,19 @@ def choose_config(
     if w_order not in W_ORDERS:
         raise ValueError(f"w_order must be one of {W_ORDERS}, got {w_order!r}")
     if block_m in (8, 96):  # the Gluon tiles' blocks (choose_row_tiles with gluon_experts)
-        if interpret or w_order != "subnormal":
+        if interpret or w_order not in SUBNORMAL_W_ORDERS:
             raise ValueError(f"{block_m}-row blocks are a Gluon tile's: it needs an sm_90 GPU "
-                             f"and w_order='subnormal' weights")
+                             f"and w_order 'subnormal' or 'blocked' weights")
         if block_m == 8:
             return GLUON_DECODE_TILE
         return dataclasses.replace(GLUON_PREFILL_TILE, block_n=_gluon_prefill_out_n(gated))
-    if (gluon and block_m == 64 and w_order == "subnormal" and not interpret
+    if (gluon and block_m == 64 and w_order in SUBNORMAL_W_ORDERS and not interpret
             and gluon_prefill_64_applies(rows_per_expert, n, k, gated)):
         return dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=_gluon_prefill_out_n(gated))
     cfg = _choose(rows_per_expert, n, k, gated, block_m, w_order != "checkpoint",
-                  w_order == "subnormal", interpret)
+                  w_order in SUBNORMAL_W_ORDERS, interpret)
     # the subnormal tiles are the fragment tiles with the cheaper dequantization (same loads)
-    if w_order == "subnormal":
+    if w_order in SUBNORMAL_W_ORDERS:
         cfg = dataclasses.replace(cfg, k_order="subnormal")
     return cfg
 

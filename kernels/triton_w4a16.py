@@ -4,7 +4,8 @@
 read straight from the checkpoint words (chordq.layout: int32 ``[E, N, K/8]``, 8 codes per
 word, lowest nibble first; BF16 scales ``[E, N, K/32]``), or from the same words converted once
 to fragment order (``w_order="fragments"``, ``chordq.layout.fragment_order``), with the scales
-also converted (``w_order="subnormal"``, ``chordq.layout.subnormal_scales``). No dequantized
+also converted (``w_order="subnormal"``, ``chordq.layout.subnormal_scales``), and those stored
+in row blocks (``w_order="blocked"``, ``chordq.layout.row_blocks``). No dequantized
 copy of the weight exists in memory: each K step loads one tile of words and scales and
 dequantizes in registers.
 
@@ -53,9 +54,11 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from chordq.layout import K_BLOCK, ROW_BLOCK
+
 from . import triton_config
-from .triton_config import (GROUP_SIZE, K_ORDER_OF, K_ORDERS, W_ORDERS, W4A16Config,
-                            choose_config, choose_n_tiles, choose_split_k)
+from .triton_config import (GROUP_SIZE, K_ORDER_OF, K_ORDERS, SUBNORMAL_W_ORDERS, W_ORDERS,
+                            W4A16Config, choose_config, choose_n_tiles, choose_split_k)
 
 __all__ = [
     "indexed_config",
@@ -257,7 +260,7 @@ def _load_w(w_ptrs, s_ptrs, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
             K_ORDER: tl.constexpr, COMPUTE_F32: tl.constexpr):
     if K_ORDER >= 2:
         return _dequant_tile_pairs(w_ptrs, s_ptrs, n_mask, BLOCK_N, BLOCK_K, K_ORDER >= 3,
-                                   K_ORDER == 4,
+                                   K_ORDER >= 4,
                                    COMPUTE_F32)
     return _dequant_tile(w_ptrs, s_ptrs, n_mask, BLOCK_N, BLOCK_K, K_ORDER == 1, COMPUTE_F32)
 
@@ -283,7 +286,8 @@ def _w4a16_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    K_ORDER: tl.constexpr,  # 0 natural, 1 planes, 2 pairs, 3 fragments, 4 subnormal (fragments)
+    K_ORDER: tl.constexpr,  # 0 natural, 1 planes, 2 pairs, 3 fragments, 4 subnormal (fragments),
+    # 5 subnormal in row blocks (chordq.layout.row_blocks)
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no row masks on the weight loads
     COMPUTE_F32: tl.constexpr,
 ):
@@ -301,7 +305,9 @@ def _w4a16_tile(
     wgmma register operand straight from the words. Pairs (K_ORDER 2, ``_dequant_tile_pairs``)
     also puts the two weights of one BF16x2 register next to each other, so the dequantization
     runs two weights per instruction. Fragments (K_ORDER 3) reads words already permuted so
-    that the same registers hold natural K: X is not permuted at all.
+    that the same registers hold natural K: X is not permuted at all. Row blocks (K_ORDER 5)
+    are the subnormal weights stored 128 rows x 256 K a piece: a row's step lies in one piece
+    (BLOCK_K divides 256), at the piece of its K and row block.
     """
     if GATED:  # gate rows, then the matching up rows: one [2 BLOCK_N, BLOCK_K] weight tile
         w_rows = tl.reshape(tl.permute(tl.join(offs_n, offs_n + N), (1, 0)), (2 * BLOCK_N,))
@@ -316,16 +322,27 @@ def _w4a16_tile(
     offs_group = tl.arange(0, BLOCK_K // 32)
     rows_n = w_rows[:, None].to(tl.int64)
     x_ptrs = x_ptr + a_rows[None, :] * stride_xm + k0 + offs_k[:, None]  # X^T [BLOCK_K, BLOCK_M]
-    w_ptrs = w_ptr + expert * stride_we + rows_n * stride_wn + k0 // 8 + offs_word[None, :]
-    s_ptrs = s_ptr + expert * stride_se + rows_n * stride_sn + k0 // 32 + offs_group[None, :]
+    if K_ORDER == 5:  # the row block's offset, the row's in each piece (K: in the loop)
+        w_rows_at = (rows_n // 128) * (128 * stride_wn) + (rows_n % 128) * 32
+        s_rows_at = (rows_n // 128) * (128 * stride_sn) + (rows_n % 128) * 8
+    else:
+        w_rows_at, s_rows_at = rows_n * stride_wn + k0 // 8, rows_n * stride_sn + k0 // 32
+    w_ptrs = w_ptr + expert * stride_we + w_rows_at + offs_word[None, :]
+    s_ptrs = s_ptr + expert * stride_se + s_rows_at + offs_group[None, :]
     acc = tl.zeros((w_rows.shape[0], BLOCK_M), dtype=tl.float32)
-    for _ in range(0, num_steps):
+    for step in range(0, num_steps):
         x = _load_x(x_ptrs, row_mask, BLOCK_M, BLOCK_K, K_ORDER, COMPUTE_F32)
-        w = _load_w(w_ptrs, s_ptrs, valid, w_rows.shape[0], BLOCK_K, K_ORDER, COMPUTE_F32)
+        if K_ORDER == 5:  # word kw of a row: piece kw // 32 (4096 words, 1024 scales), kw % 32
+            kw = (k0 + step * BLOCK_K) // 8
+            w = _load_w(w_ptrs + (kw // 32) * 4096 + kw % 32,
+                        s_ptrs + (kw // 32) * 1024 + (kw % 32) // 4, valid, w_rows.shape[0],
+                        BLOCK_K, K_ORDER, COMPUTE_F32)
+        else:
+            w = _load_w(w_ptrs, s_ptrs, valid, w_rows.shape[0], BLOCK_K, K_ORDER, COMPUTE_F32)
+            w_ptrs += BLOCK_K // 8
+            s_ptrs += BLOCK_K // 32
         acc = _mma(w, x, acc, COMPUTE_F32)
         x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 8
-        s_ptrs += BLOCK_K // 32
     if GATED:
         acc, acc_up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
     else:
@@ -591,7 +608,8 @@ def _w4a16_indexed_wide_kernel(
     """Indexed GEMM for a K that fits one step (TP8 down, K = 256): each program loads its X
     rows once and loops over ``N_TILES`` column tiles, so the weight loads of the next tiles are
     in flight while one is dequantized (a one-step K loop has nothing to pipeline), and X is
-    read once per ``N_TILES`` tiles instead of once per tile."""
+    read once per ``N_TILES`` tiles instead of once per tile. (Row blocks, K_ORDER 5, with K <=
+    256 are the unblocked order: one piece a row block.)"""
     tl.static_assert(not GATED, "the column loop has no SiLU-and-mul epilogue")
     expert, routes, row_mask, _, _ = _indexed_tile(
         tl.program_id(0), num_m_blocks, ntp_ptr, expert_ids_ptr, sorted_ids_ptr, num_routes,
@@ -801,6 +819,10 @@ def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, 
                     indexed: bool = False) -> W4A16Config:
     if w_order not in W_ORDERS:
         raise ValueError(f"w_order must be one of {W_ORDERS}, got {w_order!r}")
+    if w_order == "blocked" and ((2 * n if gated else n) % ROW_BLOCK or k % K_BLOCK):
+        raise ValueError(f"w_order 'blocked' (chordq.layout.row_blocks) needs N % {ROW_BLOCK} "
+                         f"== 0 and K % {K_BLOCK} == 0, got N={2 * n if gated else n}, K={k}: "
+                         "keep such weights 'subnormal'")
     if config is None:
         return choose_config(rows_per_expert, n, k, gated=gated, block_m=block_m,
                              w_order=w_order, interpret=device.type == "cpu",
@@ -820,6 +842,9 @@ def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, 
                          f"block {block_m}")
     if k % config.block_k:
         raise ValueError(f"K={k} is not a multiple of block_k={config.block_k}")
+    if w_order == "blocked" and K_BLOCK % config.block_k:
+        raise ValueError(f"w_order 'blocked' needs block_k to divide {K_BLOCK} (a step inside "
+                         f"one row-block piece), got {config.block_k}")
     if config.stream_k and not indexed:
         raise ValueError("stream_k is implemented for the indexed path only")
     if config.n_tiles > 1 and not (indexed and not gated and config.block_k == k):
@@ -837,10 +862,12 @@ def _output(out: torch.Tensor | None, rows: int, n: int, like: torch.Tensor) -> 
     return out
 
 
-def _launch_args(cfg: W4A16Config, gated: bool, n: int) -> dict:
-    # EVEN_N: every program's columns lie inside N (a column-looping program covers n_tiles)
+def _launch_args(cfg: W4A16Config, gated: bool, n: int, w_order: str) -> dict:
+    # EVEN_N: every program's columns lie inside N (a column-looping program covers n_tiles);
+    # K_ORDER 5: the subnormal tiles on row blocks (w_order "blocked")
+    k_order = 5 if w_order == "blocked" else K_ORDERS.index(cfg.k_order)
     args = dict(GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                K_ORDER=K_ORDERS.index(cfg.k_order), EVEN_N=n % (cfg.block_n * cfg.n_tiles) == 0,
+                K_ORDER=k_order, EVEN_N=n % (cfg.block_n * cfg.n_tiles) == 0,
                 COMPUTE_F32=_INTERPRETED,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.max_registers and not _INTERPRETED:
@@ -862,8 +889,9 @@ def row_tiles(rows_per_expert: float, n: int, k: int, num_experts: int, device: 
 
 
 def _gluon_usable(device: torch.device, w_order: str) -> bool:
-    """The Gluon tiles can run: subnormal weights on an sm_90 GPU (``gluon_w4a16.gluon_ready``)."""
-    if device.type != "cuda" or w_order != "subnormal" or _INTERPRETED:
+    """The Gluon tiles can run: subnormal weights (or those in row blocks) on an sm_90 GPU
+    (``gluon_w4a16.gluon_ready``)."""
+    if device.type != "cuda" or w_order not in SUBNORMAL_W_ORDERS or _INTERPRETED:
         return False
     try:  # Gluon is experimental: a Triton without it (or with other names) keeps Triton's
         from . import gluon_prefill  # noqa: F401  (the prefill tile's names too)
@@ -975,9 +1003,10 @@ def moe_gemm_indexed_triton(
         are left as they are
     :param w_order: ``"checkpoint"`` (``w_packed`` as written by chordq), ``"fragments"``
         (``chordq.layout.fragment_order(w_packed)``, converted once at load time: ~10-20%
-        faster at decode and prefill) or ``"subnormal"`` (those words and
-        ``w_scale = chordq.layout.subnormal_scales(scale)``; ``moe.prepare_weights`` picks it
-        when every scale fits)
+        faster at decode and prefill), ``"subnormal"`` (those words and
+        ``w_scale = chordq.layout.subnormal_scales(scale)``) or ``"blocked"`` (those two in
+        ``chordq.layout.row_blocks``, N % 128 == 0 and K % 256 == 0; ``moe.prepare_weights``
+        picks it when every scale fits and the shapes allow)
     :returns: BF16 ``[num_routes, N]``
     """
     gated = _gated(activation)
@@ -1013,20 +1042,22 @@ def moe_gemm_indexed_triton(
         return moe_gemm_indexed_gluon(
             x, w_packed, w_scale, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
             out, num_routes=num_routes, grid_m=grid_m, block_n=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, gated=gated)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, gated=gated,
+            blocked=w_order == "blocked")
     if cfg.backend == "gluon":
         from .gluon_prefill import moe_gemm_indexed_gluon_prefill
 
         return moe_gemm_indexed_gluon_prefill(
             x, w_packed, w_scale, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
             out, num_routes=num_routes, grid_m=grid_m, block_m=cfg.block_m,
-            block_n=cfg.block_n, block_k=cfg.block_k, num_stages=cfg.num_stages, gated=gated)
+            block_n=cfg.block_n, block_k=cfg.block_k, num_stages=cfg.num_stages, gated=gated,
+            blocked=w_order == "blocked")
     args = (num_routes, n, k, grid_m, x.stride(0), w_packed.stride(0), w_packed.stride(1),
             w_scale.stride(0), w_scale.stride(1))
     if cfg.n_tiles > 1:
         _w4a16_indexed_wide_kernel[(grid_m * triton.cdiv(n, cfg.block_n * cfg.n_tiles),)](
             x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
-            *args, out.stride(0), TOP_K=top_k, N_TILES=cfg.n_tiles, **_launch_args(cfg, gated, n))
+            *args, out.stride(0), TOP_K=top_k, N_TILES=cfg.n_tiles, **_launch_args(cfg, gated, n, w_order))
         return out
     if cfg.stream_k:
         programs = min(_num_sms(x.device) * cfg.stream_k, grid_m * n_tiles)
@@ -1034,13 +1065,13 @@ def moe_gemm_indexed_triton(
             x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
             *_stream_k_buffers(x.device, programs, cfg.block_n * cfg.block_m), *args,
             out.stride(0), TOP_K=top_k, COLUMNS_FIRST=cfg.columns_first,
-            **_launch_args(cfg, gated, n))
+            **_launch_args(cfg, gated, n, w_order))
         return out
     if split == 1:
         _w4a16_indexed_kernel[(grid_m * n_tiles, 1)](
             x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
             *args, out.stride(0), TOP_K=top_k, SPLIT_K=1, COLUMNS_FIRST=cfg.columns_first,
-            **_launch_args(cfg, gated, n))
+            **_launch_args(cfg, gated, n, w_order))
         return out
     n_w = w_packed.shape[1]
     rows, by_slot = split_k_partial_rows(grid_m, cfg.block_m, num_routes)
@@ -1048,7 +1079,7 @@ def moe_gemm_indexed_triton(
     _w4a16_indexed_kernel[(grid_m * n_tiles, split)](
         x, w_packed, w_scale, partials, sorted_token_ids, expert_ids, num_tokens_post_padded,
         *args, n_w, TOP_K=top_k, SPLIT_K=split, COLUMNS_FIRST=cfg.columns_first,
-        PART_BY_SLOT=by_slot, **_launch_args(cfg, gated, n))
+        PART_BY_SLOT=by_slot, **_launch_args(cfg, gated, n, w_order))
     reduce_n = min(128, cfg.block_n)
     _split_k_reduce_kernel[(grid_m * triton.cdiv(n, reduce_n),)](
         partials, out, sorted_token_ids, expert_ids, num_tokens_post_padded, num_routes, n,
@@ -1126,7 +1157,7 @@ def grouped_gemm_contiguous_triton(
     _w4a16_contiguous_kernel[grid](
         x, w_packed, w_scale, out, m_indices, m, n, k, num_m_blocks,
         x.stride(0), w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), **_launch_args(cfg, gated, n))
+        out.stride(0), **_launch_args(cfg, gated, n, w_order))
     return out
 
 
@@ -1174,5 +1205,5 @@ def grouped_gemm_masked_triton(
     _w4a16_masked_kernel[grid](
         x, w_packed, w_scale, out, masked_m, max_m, n, k, num_m_blocks,
         x.stride(0), w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), **_launch_args(cfg, gated, n))
+        out.stride(0), **_launch_args(cfg, gated, n, w_order))
     return out

@@ -15,7 +15,7 @@ from chordq.kernels import moe_align_block_size, moe_gemm_indexed_reference
 from chordq.kernels.reference import cos_diff
 from chordq.kernels.triton_config import (GLUON_DECODE_TILE, W4A16Config, choose_config,
                                           choose_row_tiles, gluon_decode_applies)
-from chordq.layout import fragment_order, pack_codes, subnormal_scales
+from chordq.layout import fragment_order, pack_codes, row_blocks, subnormal_scales
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 MAX_COS_DIFF = 1e-5  # FP32 accumulation of the reference's exact BF16 weights; ~1e-8 seen
@@ -132,7 +132,17 @@ def _problem(e, n, k, m, top_k, seed=0):
     return w.cuda(), s.cuda(), x.cuda(), topk.cuda()
 
 
-def check_indexed_tile(block, e, n, k, m, top_k, local, activation, config=None):
+def fast_weights(w, s, k, w_order):
+    """Checkpoint words and scales of a ``k``-deep weight -> ``w_order`` ``"subnormal"`` or
+    ``"blocked"`` (the same in ``chordq.layout.row_blocks``)."""
+    wf, sf = fragment_order(w), subnormal_scales(s)
+    if w_order == "blocked":
+        return row_blocks(wf, k), row_blocks(sf, k)
+    return wf, sf
+
+
+def check_indexed_tile(block, e, n, k, m, top_k, local, activation, config=None,
+                       w_order="blocked"):
     """The indexed GEMM on ``block``-row blocks (``config``, or the heuristic's for that block)
     against the reference on the rows it owns; the rows it does not own stay as they were.
     ``local``: only the first ``local`` experts are on this GPU (the others: expert id -1)."""
@@ -151,9 +161,9 @@ def check_indexed_tile(block, e, n, k, m, top_k, local, activation, config=None)
         w, s = w[:local], s[:local]
     want = moe_gemm_indexed_reference(x, w, s, *aligned, top_k, block, activation=activation)
     out = torch.full((rows, n_out), 7.0, dtype=torch.bfloat16, device="cuda")
-    got = moe_gemm_indexed_triton(x, fragment_order(w), subnormal_scales(s), *aligned, top_k,
-                                  block, activation=activation, out=out, config=config,
-                                  w_order="subnormal")
+    got = moe_gemm_indexed_triton(x, *fast_weights(w, s, k, w_order), *aligned, top_k, block,
+                                  activation=activation, out=out, config=config,
+                                  w_order=w_order)
     owned = (aligned[0][: int(aligned[2])] < rows) & (
         aligned[1][: int(aligned[2]) // block].repeat_interleave(block) >= 0)
     owned_rows = aligned[0][: int(aligned[2])][owned].long()
@@ -179,11 +189,11 @@ def check_fused_moe_tile(e, h, i, m, seed, tiles):
     x = torch.randn(m, h, generator=g).bfloat16().cuda()
     logits = torch.randn(m, e, generator=g).cuda()
     topk_w, topk_ids = route(logits, torch.zeros(e, device="cuda"), 8, 2.5)
-    assert row_tiles(m * 8 / e, i, h, e, x.device, "subnormal", gated=True,
+    assert row_tiles(m * 8 / e, i, h, e, x.device, "blocked", gated=True,
                      down=(h, i)) == tiles
     want = fused_moe_reference(x, w13, s13, w2, s2, topk_w, topk_ids)
     *weights, w_order = prepare_weights(w13, s13, w2, s2)
-    assert w_order == "subnormal"
+    assert w_order == "blocked"
     got = fused_moe(x, *weights, topk_w, topk_ids, w_order=w_order)
     assert cos_diff(got, want) < MAX_COS_DIFF
 
@@ -199,6 +209,7 @@ def check_graph_capture(run):
     assert torch.equal(captured, eager)
 
 
+@pytest.mark.parametrize("w_order", ["blocked", "subnormal"])
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
 @pytest.mark.parametrize("e, n, k, m, top_k, local", [
     (6, 256, 512, 5, 4, None),  # two K steps, two column tiles, 1-3 rows per expert
@@ -206,8 +217,8 @@ def check_graph_capture(run):
     (6, 256, 768, 7, 4, 4),  # expert_map: two remote experts (expert id -1), their rows untouched
 ], ids=["2-steps", "1-step", "remote"])
 @needs_sm90
-def test_gluon_tile_matches_the_reference(e, n, k, m, top_k, local, activation):
-    check_indexed_tile(8, e, n, k, m, top_k, local, activation)
+def test_gluon_tile_matches_the_reference(e, n, k, m, top_k, local, activation, w_order):
+    check_indexed_tile(8, e, n, k, m, top_k, local, activation, w_order=w_order)
 
 
 @needs_sm90
@@ -221,6 +232,6 @@ def test_gluon_tile_is_cuda_graph_capturable():
 
     w, s, x, topk = _problem(16, 256, 512, 6, 8)
     aligned = moe_align_block_size(topk, 8, 16)
-    wf, sf = fragment_order(w), subnormal_scales(s)
+    wf, sf = fast_weights(w, s, 512, "blocked")
     check_graph_capture(lambda: moe_gemm_indexed_triton(x, wf, sf, *aligned, 8, 8,
-                                                        w_order="subnormal"))
+                                                        w_order="blocked"))

@@ -14,10 +14,8 @@ from chordq.kernels import moe_align_block_size
 from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64, W4A16Config,
                                           choose_config, choose_row_tiles,
                                           gluon_prefill_64_applies, gluon_prefill_applies)
-from chordq.layout import fragment_order, subnormal_scales
-
 from test_kernels_gluon import (_problem, _sass, check_fused_moe_tile, check_graph_capture,
-                                check_indexed_tile, needs_sm90)
+                                check_indexed_tile, fast_weights, needs_sm90)
 
 # ----------------------------------------------------------------------------- config
 
@@ -178,6 +176,7 @@ def test_sm90_build_takes_turns_at_the_tensor_cores():
 # ----------------------------------------------------------------------------- on the GPU
 
 
+@pytest.mark.parametrize("w_order", ["blocked", "subnormal"])
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
 @pytest.mark.parametrize("e, n, k, m, top_k, local", [
     (4, 512, 2048, 100, 2, None),  # 16 K steps; 50 rows per expert: one partial 96-row block
@@ -185,10 +184,10 @@ def test_sm90_build_takes_turns_at_the_tensor_cores():
     (4, 512, 1024, 60, 4, 3),  # expert_map: a remote expert (id -1), its rows untouched
 ], ids=["16-steps", "2-steps", "remote"])
 @needs_sm90
-def test_prefill_tile_matches_the_reference(e, n, k, m, top_k, local, activation):
+def test_prefill_tile_matches_the_reference(e, n, k, m, top_k, local, activation, w_order):
     cfg = choose_config(m * top_k / e, n // 2 if activation else n, k, block_m=96,
-                        gated=activation is not None, w_order="subnormal")
-    check_indexed_tile(96, e, n, k, m, top_k, local, activation, config=cfg)
+                        gated=activation is not None, w_order=w_order)
+    check_indexed_tile(96, e, n, k, m, top_k, local, activation, config=cfg, w_order=w_order)
 
 
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
@@ -207,10 +206,11 @@ def test_prefill_tile_walks_more_tiles_than_programs(monkeypatch, e, n, k, m, to
     monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
     assert gluon_prefill.PERSISTENT
     cfg = choose_config(m * top_k / e, n // 2 if activation else n, k, block_m=96,
-                        gated=activation is not None, w_order="subnormal")
+                        gated=activation is not None, w_order="blocked")
     check_indexed_tile(96, e, n, k, m, top_k, local, activation, config=cfg)
 
 
+@pytest.mark.parametrize("w_order", ["blocked", "subnormal"])
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
 @pytest.mark.parametrize("e, n, k, m, top_k, local", [
     (4, 512, 2048, 100, 2, None),  # 16 K steps; 50 rows per expert: one partial 64-row block
@@ -218,14 +218,15 @@ def test_prefill_tile_walks_more_tiles_than_programs(monkeypatch, e, n, k, m, to
     (4, 512, 2048, 60, 3, 3),  # expert_map: a remote expert (id -1), its rows untouched
 ], ids=["16-steps", "2-steps", "remote"])
 @needs_sm90
-def test_64_row_tile_matches_the_reference(monkeypatch, e, n, k, m, top_k, local, activation):
+def test_64_row_tile_matches_the_reference(monkeypatch, e, n, k, m, top_k, local, activation,
+                                           w_order):
     """The 64-row form (one accumulator, ``GLUON_PREFILL_TILE_64``), persistent over 3
     programs as on a GPU with 3 SMs, so programs walk several tiles."""
     from chordq.kernels import gluon_prefill
 
     monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
     cfg = dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=128 if activation else 256)
-    check_indexed_tile(64, e, n, k, m, top_k, local, activation, config=cfg)
+    check_indexed_tile(64, e, n, k, m, top_k, local, activation, config=cfg, w_order=w_order)
 
 
 @needs_sm90
@@ -265,7 +266,7 @@ def test_prefill_tile_is_cuda_graph_capturable():
 
     w, s, x, topk = _problem(4, 512, 2048, 100, 2)
     aligned = moe_align_block_size(topk, 96, 4)
-    wf, sf = fragment_order(w), subnormal_scales(s)
-    cfg = choose_config(50, 512, 2048, block_m=96, w_order="subnormal")
+    wf, sf = fast_weights(w, s, 2048, "blocked")
+    cfg = choose_config(50, 512, 2048, block_m=96, w_order="blocked")
     check_graph_capture(lambda: moe_gemm_indexed_triton(x, wf, sf, *aligned, 2, 96, config=cfg,
-                                                        w_order="subnormal"))
+                                                        w_order="blocked"))

@@ -42,7 +42,7 @@ from chordq.kernels import (  # noqa: E402
     route,
     triton_w4a16,
 )
-from chordq.layout import fragment_order, pack_codes, subnormal_scales  # noqa: E402
+from chordq.layout import fragment_order, pack_codes, row_blocks, subnormal_scales  # noqa: E402
 
 # Chord's grouped-path limit (format.md §4.1); the interpreter lands near 1e-11.
 MAX_COS_DIFF = 1e-3
@@ -553,7 +553,7 @@ def test_fused_moe_subnormal_weights(device):
     large for them falls back to fragment words with the scales unchanged."""
     x, w13, s13, w2, s2, routing, want = small_moe(device)
     w13p, s13p, w2p, s2p, order = prepare_weights(w13, s13, w2, s2)
-    assert order == "subnormal"
+    assert order == "subnormal"  # I = 128: the down GEMM's K is not a multiple of 256
     sub = (x, w13p, s13p, w2p, s2p, *routing)
     got = fused_moe(*sub, impl="triton", w_order="subnormal")
     assert torch.equal(got, fused_moe(x, w13p, s13, w2p, s2, *routing, impl="triton",
@@ -565,6 +565,26 @@ def test_fused_moe_subnormal_weights(device):
     w13f, s13f, w2f, s2f, order = prepare_weights(w13, s13, w2, big)
     assert order == "fragments" and s13f is s13 and s2f is big
     assert torch.equal(w13f, w13p) and torch.equal(w2f, w2p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_moe_blocked_weights(device):
+    """prepare_weights puts the subnormal weights in row blocks where both GEMMs allow (here
+    H = 256, I = 256): the same MoE, bit for bit, and the reference converts them back."""
+    m, h, i, e, top_k = 9, 256, 256, 8, 2
+    w13, s13 = random_weights(e, 2 * i, h, device, seed=3)
+    w2, s2 = random_weights(e, h, i, device, seed=4)
+    x = randn_bf16(m, h, device=device)
+    routing = [t.to(device) for t in route(torch.randn(m, e), torch.zeros(e), top_k, 1.0)]
+    want = fused_moe_reference(x, w13, s13, w2, s2, *routing)
+    *blocked, order = prepare_weights(w13, s13, w2, s2)
+    assert order == "blocked"
+    sub = (fragment_order(w13), subnormal_scales(s13), fragment_order(w2), subnormal_scales(s2))
+    got = fused_moe(x, *blocked, *routing, impl="triton", w_order="blocked")
+    assert torch.equal(got, fused_moe(x, *sub, *routing, impl="triton", w_order="subnormal"))
+    assert cos_diff(got.cpu(), want.cpu()) <= MAX_COS_DIFF
+    assert torch.equal(fused_moe(x, *blocked, *routing, impl="reference", w_order="blocked"),
+                       want)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -590,6 +610,76 @@ def test_subnormal_dequant_is_bit_identical(device, tile):
                                                  activation=activation, config=cfg,
                                                  **kernel_weights(w, s, cfg))
         assert torch.equal(got["fragments"], got["subnormal"])
+
+
+def blocked_weights(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The subnormal weights in row blocks (``w_order="blocked"``)."""
+    k = 8 * w.shape[-1]
+    return row_blocks(fragment_order(w), k), row_blocks(subnormal_scales(s), k)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", [
+    W4A16Config(16, 64, 256, 4, 3, k_order="subnormal"),  # one piece a step
+    W4A16Config(32, 128, 128, 4, 3, k_order="subnormal"),  # two steps a piece
+    W4A16Config(16, 256, 64, 4, 3, k_order="subnormal"),  # a tile over two row blocks
+    W4A16Config(16, 64, 64, 4, 3, k_order="subnormal", split_k=3),
+    W4A16Config(16, 64, 128, 4, 2, k_order="subnormal", stream_k=2),
+], ids=str)
+def test_blocked_weights_give_the_subnormal_bits(device, cfg):
+    """Row blocks (``chordq.layout.row_blocks``) change where each word lies, not what the
+    tiles compute: the indexed GEMM (split-K and stream-K too), plain and fused, and the
+    grouped GEMMs give the bits of the unblocked subnormal weights; K = 768 spans three
+    pieces a row block, N = 256 two row blocks."""
+    m, top_k, e, n, k = 11, 2, 4, 256, 768
+    w, s = random_weights(e, n, k, device, seed=7)
+    sub = fragment_order(w), subnormal_scales(s)
+    wb, sb = blocked_weights(w, s)
+    x = randn_bf16(m, k, device=device)
+    aligned = [t.to(device) for t in moe_align_block_size(random_topk(m, top_k, e), cfg.block_m,
+                                                          e)]
+    for activation in (None, "silu_mul"):
+        want = moe_gemm_indexed_triton(x, *sub, *aligned, top_k, cfg.block_m,
+                                       activation=activation, config=cfg, w_order="subnormal")
+        got = moe_gemm_indexed_triton(x, wb, sb, *aligned, top_k, cfg.block_m,
+                                      activation=activation, config=cfg, w_order="blocked")
+        assert torch.equal(got, want)
+    if cfg.split_k == 1 and not cfg.stream_k:
+        ids = torch.tensor([0] * 32 + [2] * 32, dtype=torch.int32, device=device)
+        xs = randn_bf16(64, k, device=device)
+        assert torch.equal(
+            grouped_gemm_contiguous_triton(xs, wb, sb, ids, config=cfg, w_order="blocked"),
+            grouped_gemm_contiguous_triton(xs, *sub, ids, config=cfg, w_order="subnormal"))
+        xm, masked = randn_bf16(e, 8, k, device=device), torch.tensor([3, 0, 8, 1]).int()
+        outs = [torch.zeros(8 * e, n, dtype=torch.bfloat16, device=device) for _ in range(2)]
+        grouped_gemm_masked_triton(xm, wb, sb, masked.to(device), config=cfg, out=outs[0],
+                                   w_order="blocked")
+        grouped_gemm_masked_triton(xm, *sub, masked.to(device), config=cfg, out=outs[1],
+                                   w_order="subnormal")
+        assert torch.equal(*outs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocked_weights_column_loop_and_checks(device):
+    """The column-loop tile (K = 256: one piece a row block) reads row blocks too; blocked
+    weights need N % 128 == 0 and K % 256 == 0, and steps inside one piece."""
+    m, e, n, k = 9, 4, 256, 256
+    w, s = random_weights(e, n, k, device, seed=8)
+    wb, sb = blocked_weights(w, s)
+    x = randn_bf16(m, k, device=device)
+    aligned = [t.to(device) for t in moe_align_block_size(random_topk(m, 1, e), 16, e)]
+    cfg = W4A16Config(16, 32, 256, 4, 2, k_order="subnormal", n_tiles=4)
+    want = moe_gemm_indexed_reference(x, w, s, *aligned, 1, 16)
+    got = moe_gemm_indexed_triton(x, wb, sb, *aligned, 1, 16, config=cfg, w_order="blocked")
+    assert cos_diff(got.cpu(), want.cpu()) <= MAX_COS_DIFF
+    with pytest.raises(ValueError, match="N % 128 == 0 and K % 256 == 0"):
+        moe_gemm_indexed_triton(x[:, :128].contiguous(), wb[:, :, :16].contiguous(),
+                                sb[:, :, :4].contiguous(), *aligned, 1, 16, w_order="blocked")
+    xk = randn_bf16(m, 512, device=device)
+    wk, sk = blocked_weights(*random_weights(e, n, 512, device, seed=9))
+    with pytest.raises(ValueError, match="block_k to divide 256"):
+        moe_gemm_indexed_triton(xk, wk, sk, *aligned, 1, 16, w_order="blocked",
+                                config=W4A16Config(16, 64, 512, 4, 2, k_order="subnormal"))
 
 
 @pytest.mark.gpu
