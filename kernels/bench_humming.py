@@ -484,17 +484,23 @@ class Options:
     fused: bool = True
     check_routes: int = 2048
     seed: int = 0
-    w_order: str = "subnormal"  # chordq's weights: converted once, like Humming's transform()
+    w_order: str = "blocked"  # chordq's weights: converted once, like Humming's transform()
 
 
 def convert_weights(words: torch.Tensor, scales: torch.Tensor, w_order: str
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Checkpoint words and scales -> the layout ``w_order`` names (untimed, once per shape)."""
-    from chordq.layout import fragment_order, subnormal_scales
+    from chordq.layout import fragment_order, row_blocks, subnormal_scales
 
     if w_order == "checkpoint":
         return words, scales
-    return fragment_order(words), subnormal_scales(scales) if w_order == "subnormal" else scales
+    if w_order == "fragments":
+        return fragment_order(words), scales
+    words, scales = fragment_order(words), subnormal_scales(scales)
+    if w_order == "blocked":
+        k = 8 * words.shape[-1]
+        return row_blocks(words, k), row_blocks(scales, k)
+    return words, scales
 
 
 def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Tensor,

@@ -15,7 +15,7 @@ import torch
 
 from .align import align_row_tiles
 from .reference import fused_moe_reference
-from .triton_config import W_ORDERS
+from .triton_config import SUBNORMAL_W_ORDERS, W_ORDERS
 
 __all__ = ["fused_moe", "prepare_weights"]
 
@@ -59,17 +59,23 @@ def prepare_weights(w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str]:
     """``fused_moe``'s checkpoint weights -> ``(w13_packed, w13_scale, w2_packed, w2_scale,
     w_order)`` for the Triton kernels' fastest path, converted once at load time (as Humming's
-    ``transform()``): fragment-order words and subnormal scales (``"subnormal"``), or, when a
-    scale is too large for those (``|s| >= 0.498``, far above real checkpoints), fragment-order
-    words with the scales as they are (``"fragments"``)."""
-    from chordq.layout import fragment_order, subnormal_scales
+    ``transform()``): fragment-order words and subnormal scales in row blocks (``"blocked"``,
+    ``chordq.layout.row_blocks``: both GEMMs' N % 128 == 0 and K % 256 == 0, as Kimi's are),
+    else not in row blocks (``"subnormal"``), or, when a scale is too large for those (``|s|
+    >= 0.498``, far above real checkpoints), fragment-order words with the scales as they are
+    (``"fragments"``)."""
+    from chordq.layout import K_BLOCK, ROW_BLOCK, fragment_order, row_blocks, subnormal_scales
 
     words = fragment_order(w13_packed), fragment_order(w2_packed)
     try:
         scales = subnormal_scales(w13_scale), subnormal_scales(w2_scale)
     except ValueError:
         return words[0], w13_scale, words[1], w2_scale, "fragments"
-    return words[0], scales[0], words[1], scales[1], "subnormal"
+    ks = 8 * w13_packed.shape[2], 8 * w2_packed.shape[2]
+    if any(w.shape[1] % ROW_BLOCK or k % K_BLOCK for w, k in zip(words, ks)):
+        return words[0], scales[0], words[1], scales[1], "subnormal"
+    return (row_blocks(words[0], ks[0]), row_blocks(scales[0], ks[0]),
+            row_blocks(words[1], ks[1]), row_blocks(scales[1], ks[1]), "blocked")
 
 
 def fused_moe(
@@ -98,8 +104,9 @@ def fused_moe(
         otherwise.
     :param w_order: ``"checkpoint"`` (words as chordq writes them), ``"fragments"`` (both
         packed weights converted once with ``chordq.layout.fragment_order``) or
-        ``"subnormal"`` (also both scales with ``chordq.layout.subnormal_scales``): the Triton
-        kernels' fast paths, see :func:`prepare_weights` (the reference converts them back)
+        ``"subnormal"`` (also both scales with ``chordq.layout.subnormal_scales``) or
+        ``"blocked"`` (those four in ``chordq.layout.row_blocks``): the Triton kernels' fast
+        paths, see :func:`prepare_weights` (the reference converts them back)
     :returns: BF16 ``[M, H]``
     """
     if impl not in IMPLS:
@@ -111,11 +118,18 @@ def fused_moe(
         impl = "triton" if hidden_states.is_cuda else "reference"
     if impl == "reference":
         if w_order != "checkpoint":
-            from chordq.layout import fragment_order_inverse, subnormal_scales_inverse
+            from chordq.layout import (fragment_order_inverse, row_blocks_inverse,
+                                       subnormal_scales_inverse)
 
+            if w_order == "blocked":
+                h, i = hidden_states.shape[1], w2_packed.shape[2] * 8
+                w13_packed, w13_scale = (row_blocks_inverse(w13_packed, h),
+                                         row_blocks_inverse(w13_scale, h))
+                w2_packed, w2_scale = (row_blocks_inverse(w2_packed, i),
+                                       row_blocks_inverse(w2_scale, i))
             w13_packed = fragment_order_inverse(w13_packed)
             w2_packed = fragment_order_inverse(w2_packed)
-            if w_order == "subnormal":
+            if w_order in SUBNORMAL_W_ORDERS:
                 w13_scale = subnormal_scales_inverse(w13_scale)
                 w2_scale = subnormal_scales_inverse(w2_scale)
         return fused_moe_reference(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale,

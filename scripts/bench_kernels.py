@@ -66,11 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--max-minutes", type=float, default=None,
                      help="start no new shape after this many minutes")
     cmp.add_argument("--seed", type=int, default=0)
-    cmp.add_argument("--w-order", choices=("subnormal", "fragments", "checkpoint"),
-                     default="subnormal",
+    cmp.add_argument("--w-order", choices=("blocked", "subnormal", "fragments", "checkpoint"),
+                     default="blocked",
                      help="chordq's weights, converted once like Humming's transform: "
-                          "fragment-order words and subnormal scales (the fastest), fragment "
-                          "words alone, or as checkpointed (default: %(default)s)")
+                          "fragment-order words and subnormal scales in row blocks (the "
+                          "fastest, moe.prepare_weights' choice for Kimi), the same not in row "
+                          "blocks, fragment words alone, or as checkpointed (default: "
+                          "%(default)s)")
     return parser
 
 

@@ -326,7 +326,8 @@ def fake_humming(tmp_path):
 
 
 def test_end_to_end_on_tiny_shapes_with_fake_humming(fake_humming, tmp_path, monkeypatch):
-    tiny = (bh.Problem("EP8", "gate_up", 12, 64, 64), bh.Problem("EP8", "down", 12, 64, 32))
+    # the smallest shapes with whole row blocks (N % 128, K % 256), as the default w_order needs
+    tiny = (bh.Problem("EP8", "gate_up", 12, 128, 256), bh.Problem("EP8", "down", 12, 256, 256))
     monkeypatch.setitem(bh.LAYOUTS, "EP8", tiny)
     timings = {"chordq": 40.0, "chordq_fused": 44.0, "humming": 20.0}
     monkeypatch.setattr(bh, "time_graphs", lambda fns, reps, calls: {
@@ -351,6 +352,7 @@ def test_end_to_end_on_tiny_shapes_with_fake_humming(fake_humming, tmp_path, mon
     assert (1, 8, 8) in calls and (8, 1, 8) in calls  # gate_up top_k 8, down [8T, K] top_k 1
     assert result["meta"]["humming_layers"]["EP8/gate_up"]["b_dtype"] == "uint4"
     assert bh.exit_status(result) == 0
+    assert result["meta"]["w_order"] == "blocked"
     saved = json.loads((out / "bench_humming.json").read_text())
     assert len(saved["rows"]) == 4
     assert "| EP8 | 3 | down |" in (out / "bench_humming.md").read_text()
@@ -366,7 +368,8 @@ def test_build_layer_refuses_float4e0m3(fake_humming):
 
 
 def test_missing_humming_keeps_chordq_numbers(tmp_path, monkeypatch):
-    tiny = (bh.Problem("EP8", "gate_up", 12, 64, 64), bh.Problem("EP8", "down", 12, 64, 32))
+    # the smallest shapes with whole row blocks (N % 128, K % 256), as the default w_order needs
+    tiny = (bh.Problem("EP8", "gate_up", 12, 128, 256), bh.Problem("EP8", "down", 12, 256, 256))
     monkeypatch.setitem(bh.LAYOUTS, "EP8", tiny)
     monkeypatch.setattr(bh, "time_graphs", lambda fns, reps, calls: {
         n: {"graph_us": 10.0} for n in fns})
