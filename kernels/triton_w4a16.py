@@ -332,10 +332,13 @@ def _w4a16_tile(
     acc = tl.zeros((w_rows.shape[0], BLOCK_M), dtype=tl.float32)
     for step in range(0, num_steps):
         x = _load_x(x_ptrs, row_mask, BLOCK_M, BLOCK_K, K_ORDER, COMPUTE_F32)
-        if K_ORDER == 5:  # word kw of a row: piece kw // 32 (4096 words, 1024 scales), kw % 32
-            kw = (k0 + step * BLOCK_K) // 8
-            w = _load_w(w_ptrs + (kw // 32) * 4096 + kw % 32,
-                        s_ptrs + (kw // 32) * 1024 + (kw % 32) // 4, valid, w_rows.shape[0],
+        if K_ORDER == 5:  # piece (4096 words, 1024 scales) and step inside it, written as
+            # products of constants so that Triton proves the 16-byte alignment of each row's
+            # words: from kw % 32 it could not, and loaded 4 bytes at a time (1.5x slower)
+            at = first_step + step
+            piece, inside = at // (256 // BLOCK_K), at % (256 // BLOCK_K)
+            w = _load_w(w_ptrs + piece * 4096 + inside * (BLOCK_K // 8),
+                        s_ptrs + piece * 1024 + inside * (BLOCK_K // 32), valid, w_rows.shape[0],
                         BLOCK_K, K_ORDER, COMPUTE_F32)
         else:
             w = _load_w(w_ptrs, s_ptrs, valid, w_rows.shape[0], BLOCK_K, K_ORDER, COMPUTE_F32)
