@@ -215,14 +215,95 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
         gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :])
 
 
+@gluon.jit
+def _w4a16_decode_cols_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr,
+                              ntp_ptr, N, num_routes, stride_xm, stride_om,
+                              TOP_K: gl.constexpr, BN: gl.constexpr, N_TILES: gl.constexpr,
+                              STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """One (8-row block, ``N_TILES`` column tiles) where K is one 256-deep step (TP8 down):
+    the X rows are copied once and held as the B fragment, the loop runs over the column
+    tiles with ``STAGES - 1`` tiles' words in flight, and each tile is stored as it is done.
+    The K-loop kernel above has nothing to overlap at one step a tile and copies its X rows
+    for every tile. One step a row is one row-block piece, so 'blocked' words and scales are
+    in the plain order here."""
+    w_l: gl.constexpr = _layouts(BN, num_warps)[0]
+    s3_l: gl.constexpr = _layouts(BN, num_warps)[1]
+    x_l: gl.constexpr = _layouts(BN, num_warps)[2]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    xc_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    sc_l: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [num_warps, 1], [1, 0])
+    w_sl: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+    x_sl: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+    pid_n = gl.program_id(0)
+    pid_b = gl.program_id(1)
+    expert = gl.load(expert_ids_ptr + pid_b).to(gl.int64)
+    if (pid_b * BT < gl.load(ntp_ptr)) & (expert >= 0):
+        n0 = pid_n * (N_TILES * BN)
+        wr = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, wc_l))
+        sr = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, sc_l))
+        wc = gl.arange(0, 32, layout=gl.SliceLayout(0, wc_l))
+        sc = gl.arange(0, 8, layout=gl.SliceLayout(0, sc_l))
+        w_ptrs = w_ptr + expert * N * 32 + wr[:, None] * 32 + wc[None, :]
+        s_ptrs = s_ptr + expert * N * 8 + sr[:, None] * 8 + sc[None, :]
+        xr = gl.arange(0, BT, layout=gl.SliceLayout(1, xc_l))
+        xc = gl.arange(0, BK, layout=gl.SliceLayout(0, xc_l))
+        routes = gl.load(sorted_ids_ptr + pid_b * BT + xr)
+        routes = gl.where(routes < num_routes, routes, 0)  # sentinels read row 0, not stored
+        x_ptrs = x_ptr + (routes // TOP_K).to(gl.int64)[:, None] * stride_xm + xc[None, :]
+
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], w_sl)
+        s_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 8], s_sl)
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [BT, BK], x_sl)
+        _cp_async(x_smem, x_ptrs)  # in the first group, with tile 0
+        for i in gl.static_range(STAGES - 1):
+            ok = i < N_TILES
+            _cp_async(w_smem.index(i), w_ptrs + i * (BN * 32), mask=ok)
+            _cp_async(s_smem.index(i), s_ptrs + i * (BN * 8), mask=ok)
+            async_copy.commit_group()
+        async_copy.wait_group(STAGES - 2)
+        _barrier()
+        xb = gl.convert_layout(gl.permute(x_smem.load(x_l), [1, 0]), b_l, assert_trivial=True)
+
+        orow = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        ocol = gl.arange(0, BT, layout=gl.SliceLayout(0, mma))
+        oroutes = gl.load(sorted_ids_ptr + pid_b * BT + ocol)
+        o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n0 + orow)[:, None]
+        o_mask = (oroutes < num_routes)[None, :]
+        for j in range(N_TILES):
+            nxt = j + STAGES - 1
+            slot = nxt % STAGES
+            ok = nxt < N_TILES
+            _barrier()  # every warp is done with this slot (tile j - 1's words)
+            _cp_async(w_smem.index(slot), w_ptrs + nxt * (BN * 32), mask=ok)
+            _cp_async(s_smem.index(slot), s_ptrs + nxt * (BN * 8), mask=ok)
+            async_copy.commit_group()
+            async_copy.wait_group(STAGES - 1)
+            _barrier()  # tile j's copies, made by all threads, are visible
+            cur = j % STAGES
+            w = _dequant(w_smem.index(cur).load(w_l),
+                         s_smem.index(cur).load(gl.SliceLayout(2, s3_l)), s3_l, BN, BK)
+            acc = mma_v2(gl.convert_layout(w, a_l, assert_trivial=True), xb,
+                         gl.zeros([BN, BT], gl.float32, mma))
+            gl.store(o_ptrs + j * BN, acc.to(gl.bfloat16), mask=o_mask)
+
+
 def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                            sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
                            num_tokens_post_padded: torch.Tensor, top_k: int, out: torch.Tensor,
                            *, num_routes: int, grid_m: int, block_n: int, num_warps: int,
-                           num_stages: int, gated: bool, blocked: bool = False) -> torch.Tensor:
+                           num_stages: int, gated: bool, blocked: bool = False,
+                           n_tiles: int = 1) -> torch.Tensor:
     """Launch the 8-row tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
     (subnormal weights, 8-row alignment) and calls this for ``backend="gluon"`` configs.
-    ``blocked``: the weights are in ``chordq.layout.row_blocks`` (``w_order="blocked"``)."""
+    ``blocked``: the weights are in ``chordq.layout.row_blocks`` (``w_order="blocked"``).
+    ``n_tiles`` > 1: each program loops over that many column tiles (K = 256, no
+    activation: ``_w4a16_decode_cols_kernel``)."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
     out_n = block_n // 2 if gated else block_n
@@ -231,6 +312,16 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
                          f"{out_n} == 0, got K={k}, N={n}")
     if x.stride(1) != 1 or x.stride(0) % 8:
         raise ValueError("the Gluon decode tile needs X rows contiguous and 16-byte aligned")
+    if n_tiles > 1:
+        if gated or k != GLUON_BLOCK_K or n % (block_n * n_tiles) or num_stages < 2:
+            raise ValueError(f"the column-looping decode tile needs K = {GLUON_BLOCK_K}, no "
+                             f"activation, N % (block_n x n_tiles) == 0 and 2+ stages, got "
+                             f"K={k}, N={n}, {block_n} x {n_tiles}, {num_stages} stages")
+        _w4a16_decode_cols_kernel[(n // (block_n * n_tiles), grid_m)](
+            x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
+            n, num_routes, x.stride(0), out.stride(0), TOP_K=top_k, BN=block_n,
+            N_TILES=n_tiles, STAGES=num_stages, num_warps=num_warps)
+        return out
     _w4a16_decode_kernel[(n // out_n, grid_m)](
         x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
         n, k, num_routes, x.stride(0), out.stride(0), TOP_K=top_k, BN=block_n, GATED=gated,
@@ -262,8 +353,13 @@ def compile_kernel_sm90(fn, consts: dict, types: dict | None = None, **options):
 
 
 def compile_sm90(block_n: int = 128, num_warps: int = 4, num_stages: int = 2, gated: bool = False,
-                 top_k: int = 8, blocked: bool = True):
-    """The decode tile built for sm_90 on the CPU (``compile_kernel_sm90``: tests, kernel lab)."""
+                 top_k: int = 8, blocked: bool = True, n_tiles: int = 1):
+    """The decode tile built for sm_90 on the CPU (``compile_kernel_sm90``: tests, kernel lab);
+    ``n_tiles`` > 1: the column-looping form."""
+    if n_tiles > 1:
+        return compile_kernel_sm90(_w4a16_decode_cols_kernel, {
+            "TOP_K": top_k, "BN": block_n, "N_TILES": n_tiles, "STAGES": num_stages,
+            "num_warps": num_warps})
     return compile_kernel_sm90(_w4a16_decode_kernel, {
         "TOP_K": top_k, "BN": block_n, "GATED": gated, "STAGES": num_stages,
         "BLOCKED": blocked, "num_warps": num_warps})

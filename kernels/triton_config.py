@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
            "gluon_decode_applies", "gluon_prefill_applies", "GLUON_DECODE_TILE",
+           "choose_gluon_n_tiles",
            "GLUON_PREFILL_TILE", "GLUON_PREFILL_TILE_64", "gluon_prefill_64_applies"]
 
 GROUP_SIZE = 32
@@ -121,17 +122,19 @@ class W4A16Config:
                              f"got stream_k={self.stream_k} split_k={self.split_k} "
                              f"n_tiles={self.n_tiles}")
         if self.backend == "gluon":
-            plain = (self.k_order, self.split_k, self.n_tiles, self.stream_k, self.max_registers,
-                     self.columns_first) == ("subnormal", 1, 1, 0, None, False)
-            decode = (self.block_m, self.block_k) == (8, 256) and self.block_n >= 64
+            plain = (self.k_order, self.split_k, self.stream_k, self.max_registers,
+                     self.columns_first) == ("subnormal", 1, 0, None, False)
+            decode = ((self.block_m, self.block_k) == (8, 256) and self.block_n >= 64
+                      and (self.n_tiles == 1 or self.num_stages >= 2))
             prefill = (self.block_m in (96, 64) and self.block_k in (64, 128, 256)
-                       and self.block_n in (128, 256) and self.num_warps == 4)
+                       and self.block_n in (128, 256) and self.num_warps == 4
+                       and self.n_tiles == 1)
             if not (plain and (decode or prefill)):
                 raise ValueError(f"the gluon backend is the 8-row decode tile (block_m 8, "
-                                 f"block_k 256, block_n >= 64) or the prefill tile (block_m "
-                                 f"96 or 64, block_n 128 or 256, 4 loader warps), "
-                                 f"k_order 'subnormal', no split_k, n_tiles, stream_k, "
-                                 f"max_registers or columns_first; got {self}")
+                                 f"block_k 256, block_n >= 64; n_tiles > 1 with 2+ stages) "
+                                 f"or the prefill tile (block_m 96 or 64, block_n 128 or 256, "
+                                 f"4 loader warps, no n_tiles), k_order 'subnormal', no "
+                                 f"split_k, stream_k, max_registers or columns_first; got {self}")
             return
         if self.backend != "triton":
             raise ValueError(f"backend must be 'triton' or 'gluon', got {self.backend!r}")
@@ -180,10 +183,14 @@ def gluon_decode_applies(rows_per_expert: float, n: int, k: int, num_experts: in
     EP8 T=128, the three blocks re-dequantize the weights: 1.6-2.1x slower), K a multiple of
     256, whole column tiles, and a grid of at least 1.5 programs per SM (TP8 gate_up T=1,
     32 tiles, ran 1.7x slower; EP8 gate_up T=1, 256 tiles, 0.97 of the Triton tile's time).
+    Where K is one step (TP8 down, K = 256) the column-looping form runs up to 12 rows: at
+    10.7 rows (T=512) it took 0.88 of the 16-row Triton tile's time (H100, variant 48).
 
     :param n: output features (with ``gated``, ``silu_mul``: per half; a tile then covers 64)
     """
-    if not (0 < rows_per_expert <= 6 and _gluon_decode_fits(n, k, gated) and num_experts > 0):
+    most = 12 if k == 256 and not gated else 6  # the column-looping form at one K step
+    if not (0 < rows_per_expert <= most and _gluon_decode_fits(n, k, gated)
+            and num_experts > 0):
         return False
     out_n = GLUON_DECODE_TILE.block_n // (2 if gated else 1)
     touched = touched_experts(num_experts, rows_per_expert * num_experts)
@@ -475,6 +482,28 @@ def choose_n_tiles(cfg: W4A16Config, blocks: int, n: int, num_sms: int) -> int:
         if max(1, blocks) * (tiles // per) >= 1.5 * num_sms:
             return per
     return fitting[0]
+
+
+def choose_gluon_n_tiles(blocks: int, rows_per_expert: float, n: int, k: int,
+                         num_sms: int) -> int:
+    """Column tiles per program for the Gluon 8-row tile (``n_tiles``) where K is one
+    256-deep step (TP8 down): 2 while most experts hold one 8-row block, 7 where they hold
+    two (their programs share the weights in L2), fewer only if that leaves under 1.5
+    programs per SM; 1 (the K-looping tile) elsewhere.
+
+    Measured on the H100 (variant 48, scripts/kernel_lab/decode_cols.py, same process), of
+    the K-looping tile's time: 2 tiles 0.98 (T=1), 0.95 (T=8), 0.96 (T=20, 32), 0.95 (T=128),
+    0.92 (T=256); 4, 7 and 14 tiles and 3-slot rings between 0.92 and 1.3. At 10.7 rows
+    (T=512, two blocks an expert) 7 tiles 165.5 µs against 188.0 for 2 and 169.2 for 14.
+    """
+    tiles = n // GLUON_DECODE_TILE.block_n
+    if k != 256 or tiles < 2:
+        return 1
+    want = 2 if rows_per_expert <= 8 else 7
+    for per in range(min(want, tiles), 1, -1):
+        if tiles % per == 0 and max(1, blocks) * (tiles // per) >= 1.5 * num_sms:
+            return per
+    return 1
 
 
 def choose_split_k(cfg: W4A16Config, tiles: int, k: int, num_sms: int) -> int:

@@ -58,7 +58,8 @@ from chordq.layout import K_BLOCK, ROW_BLOCK
 
 from . import triton_config
 from .triton_config import (GROUP_SIZE, K_ORDER_OF, K_ORDERS, SUBNORMAL_W_ORDERS, W_ORDERS,
-                            W4A16Config, choose_config, choose_n_tiles, choose_split_k)
+                            W4A16Config, choose_config, choose_gluon_n_tiles, choose_n_tiles,
+                            choose_split_k)
 
 __all__ = [
     "indexed_config",
@@ -959,13 +960,18 @@ def indexed_config(
     cfg = _resolve_config(config, num_routes / num_experts, n, k, gated, device, w_order,
                           block_m, indexed=True)
     split = cfg.split_k
-    if cfg.backend == "gluon":
-        return cfg
     if config is None:
         # experts hit by num_routes uniform draws, times blocks per expert
         touched = triton_config.touched_experts(num_experts, num_routes)
         busy_blocks = round(touched) * max(1, round(num_routes / num_experts / cfg.block_m))
         busy_blocks = min(busy_blocks, live_blocks or busy_blocks)
+        if cfg.backend == "gluon" and cfg.block_m == 8 and not gated:
+            per = choose_gluon_n_tiles(busy_blocks, num_routes / num_experts, n, k,
+                                       _num_sms(device))
+            return cfg if per == 1 else dataclasses.replace(cfg, n_tiles=per)
+    if cfg.backend == "gluon":
+        return cfg
+    if config is None:
         if cfg.n_tiles > 1:
             per = choose_n_tiles(cfg, busy_blocks, n, _num_sms(device))
             return dataclasses.replace(cfg, n_tiles=per)
@@ -1046,7 +1052,7 @@ def moe_gemm_indexed_triton(
             x, w_packed, w_scale, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
             out, num_routes=num_routes, grid_m=grid_m, block_n=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, gated=gated,
-            blocked=w_order == "blocked")
+            blocked=w_order == "blocked", n_tiles=cfg.n_tiles)
     if cfg.backend == "gluon":
         from .gluon_prefill import moe_gemm_indexed_gluon_prefill
 

@@ -34,6 +34,12 @@ def test_gluon_tile_config_and_label():
         W4A16Config(8, 128, 256, 4, 2, k_order="subnormal")  # triton tiles start at 16
     with pytest.raises(ValueError, match="backend"):
         W4A16Config(backend="cuda")
+    cols = W4A16Config(8, 128, 256, 4, 3, k_order="subnormal", n_tiles=7, backend="gluon")
+    assert cols.label == "8,128,256,4,3,Z,L7,G"
+    with pytest.raises(ValueError, match="2\\+ stages"):
+        W4A16Config(8, 128, 256, 4, 1, k_order="subnormal", n_tiles=7, backend="gluon")
+    with pytest.raises(ValueError, match="no n_tiles"):
+        W4A16Config(96, 256, 128, 4, 4, k_order="subnormal", n_tiles=2, backend="gluon")
     assert choose_config(0.2, 4096, 7168, block_m=8, w_order="subnormal") == GLUON_DECODE_TILE
     with pytest.raises(ValueError, match="sm_90"):
         choose_config(0.2, 4096, 7168, block_m=8, w_order="fragments")
@@ -50,6 +56,8 @@ def test_gluon_tile_config_and_label():
     ("TP8 gate_up T=8", 64 / 384, 512, 7168, 384, False, (8,)),
     ("TP8 gate_up T=512: 10.7 rows", 4096 / 384, 512, 7168, 384, False, (16,)),
     ("TP8 down T=1", 8 / 384, 7168, 256, 384, False, (8,)),
+    ("TP8 down T=512: one K step, 10.7 rows", 4096 / 384, 7168, 256, 384, False, (8,)),
+    ("TP8 down T=1024: 21 rows", 8192 / 384, 7168, 256, 384, False, (32,)),
     ("fused EP8 T=1: 64-column tiles", 8 / 48, 2048, 7168, 48, True, (8,)),
     ("fused TP8 T=1", 8 / 384, 256, 7168, 384, True, (16,)),
     ("K not a multiple of 256", 0.5, 4096, 7168 + 32, 48, False, (16,)),
@@ -62,6 +70,19 @@ def test_choose_row_tiles_takes_the_gluon_tile_where_it_won(row, rows_per_expert
     assert choose_row_tiles(rows_per_expert, n, k, interpret=True, gluon_experts=experts) != (8,)
 
 
+@pytest.mark.parametrize("blocks, rows, n, k, want", [
+    (360, 2.7, 7168, 256, 2),  # TP8 down T=128: one block an expert
+    (8, 0.02, 7168, 256, 2),  # T=1: 8 blocks x 28 programs, 1.7 per SM
+    (768, 10.7, 7168, 256, 7),  # T=512: two blocks an expert
+    (1, 0.02, 7168, 256, 1),  # one block: 56 programs, under 1.5 per SM even at 1
+    (360, 2.7, 7168, 2048, 1),  # K-looping shapes keep the K loop
+])
+def test_choose_gluon_n_tiles(blocks, rows, n, k, want):
+    from chordq.kernels.triton_config import choose_gluon_n_tiles
+
+    assert choose_gluon_n_tiles(blocks, rows, n, k, 132) == want
+
+
 def test_gluon_decode_applies_needs_a_full_grid():
     assert gluon_decode_applies(1 / 6, 4096, 7168, 48, 132)  # 8 experts x 32 tiles = 256
     assert not gluon_decode_applies(1 / 6, 4096, 7168, 48, 264)  # same grid, twice the SMs
@@ -71,11 +92,11 @@ def test_gluon_decode_applies_needs_a_full_grid():
 # ----------------------------------------------------------------------------- sm_90 build
 
 
-def _compile_sm90(gated: bool):
+def _compile_sm90(gated: bool, **kw):
     pytest.importorskip("triton.experimental.gluon")
     from chordq.kernels import gluon_w4a16
 
-    return gluon_w4a16.compile_sm90(gated=gated)
+    return gluon_w4a16.compile_sm90(gated=gated, **kw)
 
 
 def _sass(kernel) -> str:
@@ -101,6 +122,16 @@ def test_sm90_build_is_an_mma_sync_loop_without_spills(gated):
     assert sass.count("HMMA.16816.F32.BF16") == 32
     assert "LDSM" in sass and "LDGSTS" in sass
     assert "WARPGROUP" not in sass and "HGMMA" not in sass
+    assert "STL" not in sass and "LDL" not in sass
+
+
+@pytest.mark.usefixtures("real_triton_compile")
+def test_sm90_build_of_the_column_looping_tile():
+    """The column-looping form (K = 256): one tile's 32 ``HMMA.16816`` per loop trip, X read
+    from shared memory once (before the loop), no spills."""
+    sass = _sass(_compile_sm90(False, n_tiles=7, num_stages=3))
+    assert sass.count("HMMA.16816.F32.BF16") == 32
+    assert "LDGSTS" in sass and "WARPGROUP" not in sass
     assert "STL" not in sass and "LDL" not in sass
 
 
@@ -219,6 +250,31 @@ def check_graph_capture(run):
 @needs_sm90
 def test_gluon_tile_matches_the_reference(e, n, k, m, top_k, local, activation, w_order):
     check_indexed_tile(8, e, n, k, m, top_k, local, activation, w_order=w_order)
+
+
+@pytest.mark.parametrize("w_order", ["blocked", "subnormal"])
+@pytest.mark.parametrize("n_tiles, stages, e, m, local", [
+    (2, 2, 8, 20, None),  # 4 column tiles: 2 programs a block
+    (3, 3, 8, 20, None),  # 6 column tiles, a 3-slot ring that wraps
+    (4, 3, 6, 7, 4),  # remote experts: their rows untouched
+], ids=["L2s2", "L3s3", "remote"])
+@needs_sm90
+def test_column_looping_gluon_tile_matches_the_reference(n_tiles, stages, e, m, local, w_order):
+    from chordq.kernels import moe_gemm_indexed_triton
+
+    cfg = W4A16Config(8, 128, 256, 4, stages, k_order="subnormal", n_tiles=n_tiles,
+                      backend="gluon")
+    n = 256 * n_tiles
+    check_indexed_tile(8, e, n, 256, m, 8 if local is None else 4, local, None, config=cfg,
+                       w_order=w_order)
+    # the same bits as the shipped tile's (one tile per program): the same MMAs from zero
+    w, s, x, topk = _problem(e, n, 256, m, 4)
+    aligned = moe_align_block_size(topk, 8, e)
+    wf, sf = fast_weights(w, s, 256, w_order)
+    one = moe_gemm_indexed_triton(x, wf, sf, *aligned, 4, 8, config=GLUON_DECODE_TILE,
+                                  w_order=w_order)
+    looped = moe_gemm_indexed_triton(x, wf, sf, *aligned, 4, 8, config=cfg, w_order=w_order)
+    assert torch.equal(one, looped)
 
 
 @needs_sm90
