@@ -226,6 +226,8 @@ def _w4a16_decode_cols_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expe
     The K-loop kernel above has nothing to overlap at one step a tile and copies its X rows
     for every tile. One step a row is one row-block piece, so 'blocked' words and scales are
     in the plain order here."""
+    # _w4a16_decode_kernel's layouts, restated: a Gluon body cannot unpack a tuple of
+    # constexpr layouts ("cannot unpack non-iterable value", Triton 3.9), so no shared helper
     w_l: gl.constexpr = _layouts(BN, num_warps)[0]
     s3_l: gl.constexpr = _layouts(BN, num_warps)[1]
     x_l: gl.constexpr = _layouts(BN, num_warps)[2]
