@@ -77,14 +77,15 @@ def _operand_layouts(BN, BK, num_warps):
 
 
 @gluon.constexpr_function
-def _layouts(BN, num_warps):
-    """``_operand_layouts`` for one 256-deep step, and X rows ``[8, 256]`` as ``mma.sync``'s
-    B fragment."""
+def _layouts(BN, num_warps, BM=8):
+    """``_operand_layouts`` for one 256-deep step, and X rows ``[BM, 256]`` as ``mma.sync``'s
+    B fragment (rows past 8: further n8 fragments, in registers)."""
     words, scales = _operand_layouts(BN, 256, num_warps)
+    rows = [[8 << i, 0] for i in range((BM // 8).bit_length() - 1)]
     x = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 8], [0, 16], [0, 32], [0, 64], [0, 128]],
+        reg_bases=[[0, 1], [0, 8]] + rows + [[0, 16], [0, 32], [0, 64], [0, 128]],
         lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[0, 0]] * (num_warps.bit_length() - 1), block_bases=[], shape=[8, 256])
+        warp_bases=[[0, 0]] * (num_warps.bit_length() - 1), block_bases=[], shape=[BM, 256])
     return words, scales, x
 
 
@@ -116,7 +117,8 @@ def _dequant_mma(w, s, x, acc, a_layout: gl.constexpr, b_layout: gl.constexpr,
 def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
                          N, K, num_routes, stride_xm, stride_om,
                          TOP_K: gl.constexpr, BN: gl.constexpr, GATED: gl.constexpr,
-                         STAGES: gl.constexpr, BLOCKED: gl.constexpr, num_warps: gl.constexpr):
+                         STAGES: gl.constexpr, BLOCKED: gl.constexpr, BM: gl.constexpr,
+                         num_warps: gl.constexpr, SPLIT: gl.constexpr = 1):
     """One (8-row block, column tile): ``C^T [BN, 8]`` over all of K, then the store. With
     GATED the tile's rows are ``BN / 2`` gate rows and the matching up rows (``N + n``), kept
     in the same threads (the top row bit is a register bit) for the fused SiLU-and-mul.
@@ -124,7 +126,7 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
     16 KB piece of words)."""
     w_l: gl.constexpr = _layouts(BN, num_warps)[0]
     s3_l: gl.constexpr = _layouts(BN, num_warps)[1]
-    x_l: gl.constexpr = _layouts(BN, num_warps)[2]
+    x_l: gl.constexpr = _layouts(BN, num_warps, BM)[2]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -141,7 +143,7 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
     pid_n = gl.program_id(0)
     pid_b = gl.program_id(1)
     expert = gl.load(expert_ids_ptr + pid_b).to(gl.int64)
-    if (pid_b * BT < gl.load(ntp_ptr)) & (expert >= 0):
+    if (pid_b * BM < gl.load(ntp_ptr)) & (expert >= 0):
         n0 = pid_n * OUT_N
         k8 = (K // BK) * 32  # words per row, visibly a multiple of 32 (16-byte rows)
         ks = (K // BK) * 8
@@ -168,23 +170,30 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
             s_ptrs = s_ptr + expert * n_w * ks + sr[:, None] * ks + sc[None, :]
             w_step = 32
             s_step = 8
-        xr = gl.arange(0, BT, layout=gl.SliceLayout(1, xc_l))
+        xr = gl.arange(0, BM, layout=gl.SliceLayout(1, xc_l))
         xc = gl.arange(0, BK, layout=gl.SliceLayout(0, xc_l))
-        routes = gl.load(sorted_ids_ptr + pid_b * BT + xr)
+        routes = gl.load(sorted_ids_ptr + pid_b * BM + xr)
         routes = gl.where(routes < num_routes, routes, 0)  # sentinels read row 0, not stored
         x_ptrs = x_ptr + (routes // TOP_K).to(gl.int64)[:, None] * stride_xm + xc[None, :]
 
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], w_sl)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BK], x_sl)
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_sl)
         s_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 8], s_sl)
         num_steps = K // BK
+        if SPLIT > 1:  # this program's share of the K steps (the host leaves none empty)
+            per = (num_steps + SPLIT - 1) // SPLIT
+            first = gl.program_id(2) * per
+            num_steps = gl.minimum(per, num_steps - first)
+            w_ptrs += first * w_step
+            s_ptrs += first * s_step
+            x_ptrs += first * BK
         for i in gl.static_range(STAGES - 1):
             ok = i < num_steps
             _cp_async(w_smem.index(i), w_ptrs + i * w_step, mask=ok)
             _cp_async(x_smem.index(i), x_ptrs + i * BK, mask=ok)
             _cp_async(s_smem.index(i), s_ptrs + i * s_step, mask=ok)
             async_copy.commit_group()
-        acc = gl.zeros([BN, BT], gl.float32, mma)
+        acc = gl.zeros([BN, BM], gl.float32, mma)
         for step in range(num_steps):
             nxt = step + STAGES - 1
             slot = nxt % STAGES
@@ -200,19 +209,32 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
             acc = _dequant_mma(w_smem.index(cur).load(w_l), s_smem.index(cur).load(
                 gl.SliceLayout(2, s3_l)), x_smem.index(cur).load(x_l), acc, a_l, b_l, s3_l, BN)
 
-        if GATED:  # rows [0, BN/2) gate, [BN/2, BN) up: the same threads, one register apart
-            gate, up = gl.split(gl.permute(gl.reshape(acc, [2, OUT_N, BT]), [1, 2, 0]))
-            gate = gate.to(gl.bfloat16).to(gl.float32)
-            up = up.to(gl.bfloat16).to(gl.float32)
-            res = gate / (1.0 + gl.exp(-gate)) * up
+        if SPLIT > 1:  # FP32 partial [SPLIT, num_routes, n_w] (gate, then up columns): the
+            # reduce kernel (triton_w4a16._split_k_reduce_kernel) sums and finishes
+            prow = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+            if GATED:
+                prow = gl.where(prow < OUT_N, n0 + prow, N + n0 + prow - OUT_N)
+            else:
+                prow = n0 + prow
+            pcol = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+            proutes = gl.load(sorted_ids_ptr + pid_b * BM + pcol)
+            p_ptrs = (out_ptr + gl.program_id(2).to(gl.int64) * num_routes * stride_om
+                      + proutes.to(gl.int64)[None, :] * stride_om + prow[:, None])
+            gl.store(p_ptrs, acc, mask=(proutes < num_routes)[None, :])
         else:
-            res = acc
-        o_l: gl.constexpr = res.type.layout
-        orow = gl.arange(0, OUT_N, layout=gl.SliceLayout(1, o_l))
-        ocol = gl.arange(0, BT, layout=gl.SliceLayout(0, o_l))
-        oroutes = gl.load(sorted_ids_ptr + pid_b * BT + ocol)
-        o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n0 + orow)[:, None]
-        gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :])
+            if GATED:  # rows [0, BN/2) gate, [BN/2, BN) up: the same threads, a register apart
+                gate, up = gl.split(gl.permute(gl.reshape(acc, [2, OUT_N, BM]), [1, 2, 0]))
+                gate = gate.to(gl.bfloat16).to(gl.float32)
+                up = up.to(gl.bfloat16).to(gl.float32)
+                res = gate / (1.0 + gl.exp(-gate)) * up
+            else:
+                res = acc
+            o_l: gl.constexpr = res.type.layout
+            orow = gl.arange(0, OUT_N, layout=gl.SliceLayout(1, o_l))
+            ocol = gl.arange(0, BM, layout=gl.SliceLayout(0, o_l))
+            oroutes = gl.load(sorted_ids_ptr + pid_b * BM + ocol)
+            o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n0 + orow)[:, None]
+            gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :])
 
 
 @gluon.jit
@@ -300,7 +322,8 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
                            num_tokens_post_padded: torch.Tensor, top_k: int, out: torch.Tensor,
                            *, num_routes: int, grid_m: int, block_n: int, num_warps: int,
                            num_stages: int, gated: bool, blocked: bool = False,
-                           n_tiles: int = 1) -> torch.Tensor:
+                           n_tiles: int = 1, block_m: int = 8, split_k: int = 1,
+                           max_registers: int | None = None) -> torch.Tensor:
     """Launch the 8-row tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
     (subnormal weights, 8-row alignment) and calls this for ``backend="gluon"`` configs.
     ``blocked``: the weights are in ``chordq.layout.row_blocks`` (``w_order="blocked"``).
@@ -324,10 +347,28 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
             n, num_routes, x.stride(0), out.stride(0), TOP_K=top_k, BN=block_n,
             N_TILES=n_tiles, STAGES=num_stages, num_warps=num_warps)
         return out
-    _w4a16_decode_kernel[(n // out_n, grid_m)](
-        x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
-        n, k, num_routes, x.stride(0), out.stride(0), TOP_K=top_k, BN=block_n, GATED=gated,
-        STAGES=num_stages, BLOCKED=blocked, num_warps=num_warps)
+    opts = {} if max_registers is None else {"maxnreg": max_registers}
+    if split_k == 1:
+        _w4a16_decode_kernel[(n // out_n, grid_m)](
+            x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
+            n, k, num_routes, x.stride(0), out.stride(0), TOP_K=top_k, BN=block_n, GATED=gated,
+            STAGES=num_stages, BLOCKED=blocked, BM=block_m, num_warps=num_warps, **opts)
+        return out
+    steps = k // GLUON_BLOCK_K
+    if not 1 < split_k <= steps or -(-steps // split_k) * (split_k - 1) >= steps:
+        raise ValueError(f"split_k={split_k} leaves a split of the {steps} K steps empty")
+    from .triton_w4a16 import _split_k_reduce_kernel
+
+    partials = torch.empty(split_k, num_routes, n_w, dtype=torch.float32, device=x.device)
+    _w4a16_decode_kernel[(n // out_n, grid_m, split_k)](
+        x, w_packed, w_scale, partials, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        n, k, num_routes, x.stride(0), n_w, TOP_K=top_k, BN=block_n, GATED=gated,
+        STAGES=num_stages, BLOCKED=blocked, BM=block_m, num_warps=num_warps, SPLIT=split_k,
+        **opts)
+    _split_k_reduce_kernel[(grid_m * -(-n // 128),)](
+        partials, out, sorted_token_ids, expert_ids, num_tokens_post_padded, num_routes, n,
+        grid_m, n_w, out.stride(0), GATED=gated, BLOCK_M=block_m, BLOCK_N=128, SPLIT_K=split_k,
+        COMPUTE_F32=False, PART_BY_SLOT=False, num_warps=4)
     return out
 
 
@@ -355,7 +396,7 @@ def compile_kernel_sm90(fn, consts: dict, types: dict | None = None, **options):
 
 
 def compile_sm90(block_n: int = 128, num_warps: int = 4, num_stages: int = 2, gated: bool = False,
-                 top_k: int = 8, blocked: bool = True, n_tiles: int = 1):
+                 top_k: int = 8, blocked: bool = True, n_tiles: int = 1, block_m: int = 8):
     """The decode tile built for sm_90 on the CPU (``compile_kernel_sm90``: tests, kernel lab);
     ``n_tiles`` > 1: the column-looping form."""
     if n_tiles > 1:
@@ -364,4 +405,4 @@ def compile_sm90(block_n: int = 128, num_warps: int = 4, num_stages: int = 2, ga
             "num_warps": num_warps})
     return compile_kernel_sm90(_w4a16_decode_kernel, {
         "TOP_K": top_k, "BN": block_n, "GATED": gated, "STAGES": num_stages,
-        "BLOCKED": blocked, "num_warps": num_warps})
+        "BLOCKED": blocked, "BM": block_m, "num_warps": num_warps, "SPLIT": 1})

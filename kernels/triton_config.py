@@ -18,6 +18,8 @@ __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
            "GLUON_PREFILL_TILE", "GLUON_PREFILL_TILE_64", "gluon_prefill_64_applies"]
 
 GROUP_SIZE = 32
+# token rows a block of gluon_w4a16's mma.sync decode tile holds (n8 fragments in registers)
+GLUON_DECODE_ROWS = (8, 16, 32)
 K_ORDERS = ("natural", "planes", "pairs", "fragments", "subnormal")
 # How the weights were converted at load time: "checkpoint" (as written), "fragments" (words in
 # chordq.layout.fragment_order), "subnormal" (those words and chordq.layout.subnormal_scales),
@@ -124,14 +126,15 @@ class W4A16Config:
         if self.backend == "gluon":
             plain = (self.k_order, self.split_k, self.stream_k, self.max_registers,
                      self.columns_first) == ("subnormal", 1, 0, None, False)
-            decode = ((self.block_m, self.block_k) == (8, 256) and self.block_n >= 64
-                      and (self.n_tiles == 1 or self.num_stages >= 2))
+            decode = (self.block_m in GLUON_DECODE_ROWS and self.block_k == 256
+                      and self.block_n >= 64 and (self.n_tiles == 1 or self.num_stages >= 2
+                                                  and self.block_m == 8))
             prefill = (self.block_m in (96, 64) and self.block_k in (64, 128, 256)
                        and self.block_n in (128, 256) and self.num_warps == 4
                        and self.n_tiles == 1)
             if not (plain and (decode or prefill)):
-                raise ValueError(f"the gluon backend is the 8-row decode tile (block_m 8, "
-                                 f"block_k 256, block_n >= 64; n_tiles > 1 with 2+ stages) "
+                raise ValueError(f"the gluon backend is the decode tile (block_m 8, 16 or 32, "
+                                 f"block_k 256, block_n >= 64; n_tiles > 1: 8 rows, 2+ stages) "
                                  f"or the prefill tile (block_m 96 or 64, block_n 128 or 256, "
                                  f"4 loader warps, no n_tiles), k_order 'subnormal', no "
                                  f"split_k, stream_k, max_registers or columns_first; got {self}")

@@ -57,7 +57,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from chordq.layout import K_BLOCK, ROW_BLOCK
 
 from . import triton_config
-from .triton_config import (GROUP_SIZE, K_ORDER_OF, K_ORDERS, SUBNORMAL_W_ORDERS, W_ORDERS,
+from .triton_config import (GLUON_DECODE_ROWS, GROUP_SIZE, K_ORDER_OF, K_ORDERS, SUBNORMAL_W_ORDERS, W_ORDERS,
                             W4A16Config, choose_config, choose_gluon_n_tiles, choose_n_tiles,
                             choose_split_k)
 
@@ -1045,14 +1045,14 @@ def moe_gemm_indexed_triton(
     if grid_m * n_tiles == 0:
         return out
     split = cfg.split_k
-    if cfg.backend == "gluon" and cfg.block_m == 8:
+    if cfg.backend == "gluon" and cfg.block_m in GLUON_DECODE_ROWS:
         from .gluon_w4a16 import moe_gemm_indexed_gluon
 
         return moe_gemm_indexed_gluon(
             x, w_packed, w_scale, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
             out, num_routes=num_routes, grid_m=grid_m, block_n=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, gated=gated,
-            blocked=w_order == "blocked", n_tiles=cfg.n_tiles)
+            blocked=w_order == "blocked", n_tiles=cfg.n_tiles, block_m=cfg.block_m)
     if cfg.backend == "gluon":
         from .gluon_prefill import moe_gemm_indexed_gluon_prefill
 

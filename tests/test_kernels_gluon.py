@@ -26,9 +26,9 @@ MAX_COS_DIFF = 1e-5  # FP32 accumulation of the reference's exact BF16 weights; 
 
 def test_gluon_tile_config_and_label():
     assert GLUON_DECODE_TILE.label == "8,128,256,4,2,Z,G"
-    with pytest.raises(ValueError, match="8-row decode tile"):
+    with pytest.raises(ValueError, match="the decode tile"):
         W4A16Config(8, 128, 128, 4, 2, k_order="subnormal", backend="gluon")
-    with pytest.raises(ValueError, match="8-row decode tile"):
+    with pytest.raises(ValueError, match="the decode tile"):
         W4A16Config(8, 128, 256, 4, 2, k_order="fragments", backend="gluon")
     with pytest.raises(ValueError, match="block_m"):
         W4A16Config(8, 128, 256, 4, 2, k_order="subnormal")  # triton tiles start at 16
@@ -113,13 +113,14 @@ def _sass(kernel) -> str:
 
 
 @pytest.mark.usefixtures("real_triton_compile")
+@pytest.mark.parametrize("block_m", [8, 16, 32])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "silu_mul"])
-def test_sm90_build_is_an_mma_sync_loop_without_spills(gated):
+def test_sm90_build_is_an_mma_sync_loop_without_spills(gated, block_m):
     """What makes the tile fast, checked in its SASS: per 256-deep K step and warp 32
-    ``HMMA.16816`` (2 m16 slices x 16 k16 slices), ldmatrix reads from shared memory, cp.async
-    copies; no wgmma, and no local-memory spills."""
-    sass = _sass(_compile_sm90(gated))
-    assert sass.count("HMMA.16816.F32.BF16") == 32
+    ``HMMA.16816`` per 8 token rows (2 m16 slices x 16 k16 slices), ldmatrix reads from shared
+    memory, cp.async copies; no wgmma, and no local-memory spills."""
+    sass = _sass(_compile_sm90(gated, block_m=block_m))
+    assert sass.count("HMMA.16816.F32.BF16") == 32 * block_m // 8
     assert "LDSM" in sass and "LDGSTS" in sass
     assert "WARPGROUP" not in sass and "HGMMA" not in sass
     assert "STL" not in sass and "LDL" not in sass
@@ -250,6 +251,49 @@ def check_graph_capture(run):
 @needs_sm90
 def test_gluon_tile_matches_the_reference(e, n, k, m, top_k, local, activation, w_order):
     check_indexed_tile(8, e, n, k, m, top_k, local, activation, w_order=w_order)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@pytest.mark.parametrize("e, n, k, m, top_k, local", [
+    (4, 256, 512, 40, 4, None),  # 40 rows an expert: 16-row blocks full and partial
+    (6, 256, 768, 30, 4, 4),  # remote experts: their rows untouched
+], ids=["2-steps", "remote"])
+@needs_sm90
+def test_gluon_tile_on_16_and_32_row_blocks(e, n, k, m, top_k, local, activation, block_m):
+    """Token rows past 8 are further n8 fragments of the same dequantized weights."""
+    config = W4A16Config(block_m, 128, 256, 4, 2, k_order="subnormal", backend="gluon")
+    check_indexed_tile(block_m, e, n, k, m, top_k, local, activation, config=config)
+
+
+@pytest.mark.parametrize("split_k, max_registers", [(2, None), (3, None), (1, 96)])
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@needs_sm90
+def test_gluon_tile_split_k_and_register_cap(split_k, max_registers, activation):
+    """Split K (FP32 partials, the Triton reduce kernel finishes) and a register cap give the
+    reference's results; with remote experts, whose rows stay untouched."""
+    from chordq.kernels.gluon_w4a16 import moe_gemm_indexed_gluon
+
+    e, n, k, m, top_k, local = 6, 256, 1792, 9, 4, 4  # 7 K steps: splits of 4 + 3, 3 + 3 + 1
+    w, s, x, topk = _problem(e, n, k, m, top_k)
+    expert_map = torch.full((e,), -1, dtype=torch.int32)
+    expert_map[:local] = torch.arange(local, dtype=torch.int32)
+    aligned = moe_align_block_size(topk, 8, e, expert_map.cuda())
+    w, s = w[:local], s[:local]
+    n_out = n // 2 if activation else n
+    want = moe_gemm_indexed_reference(x, w, s, *aligned, top_k, 8, activation=activation)
+    out = torch.full((m * top_k, n_out), 7.0, dtype=torch.bfloat16, device="cuda")
+    blocks = int(aligned[2]) // 8
+    moe_gemm_indexed_gluon(x, *fast_weights(w, s, k, "blocked"), *aligned, top_k, out,
+                           num_routes=m * top_k, grid_m=blocks, block_n=128, num_warps=4,
+                           num_stages=2, gated=activation is not None, blocked=True,
+                           split_k=split_k, max_registers=max_registers)
+    ids = aligned[0][: int(aligned[2])]
+    owned = (ids < m * top_k) & (aligned[1][:blocks].repeat_interleave(8) >= 0)
+    mask = torch.zeros(m * top_k, dtype=torch.bool, device="cuda")
+    mask[ids[owned].long()] = True
+    assert cos_diff(out[mask], want[mask]) < MAX_COS_DIFF
+    assert bool((out[~mask] == 7.0).all())
 
 
 @pytest.mark.parametrize("w_order", ["blocked", "subnormal"])

@@ -1,0 +1,58 @@
+"""Variant 49 (lab): the Gluon ``mma.sync`` decode tile on 16- and 32-row blocks.
+
+Why: at 10-21 rows per expert (EP8 T=128, TP8 T=512-1024) the shipped tiles are Triton's
+32-row wgmma tile (EP8 T=128 down 1.01-1.04 of Humming, TP8 gate_up T=1024 1.02) or 8-row
+Gluon blocks, two or three an expert, each of which dequantizes the expert's weights again.
+With ``block_m`` 16 or 32 the Gluon tile dequantizes once per block and issues 2 or 4
+``HMMA.16816`` per slice (the token rows past 8 are further n8 fragments in registers;
+sm_90 build: 118 / 170 registers, no spills). Whether ``mma.sync`` at 4 fragments a slice
+keeps up with wgmma is what this measures.
+
+``OUT=/tmp/lab GLUON_HUMMING=.whl [GLUON_T="128"] [TILES="8,2 32,3 64,2,128,8"] python3
+scripts/kernel_lab/decode_rows.py`` (``block_m,stages[,block_n,warps]``; default 128 weight rows, 4 warps).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROWS = [("EP8", "gate_up", 128), ("EP8", "down", 128), ("EP8", "gate_up", 256),
+        ("EP8", "down", 256), ("TP8", "gate_up", 256), ("TP8", "gate_up", 512),
+        ("TP8", "gate_up", 1024), ("EP8", "gate_up", 32), ("TP8", "gate_up", 128)]
+TILES = [(tuple(int(v) for v in c.split(",")) + (128, 4))[:4] for c in os.environ.get(
+    "TILES", "8,2 16,2 32,2 32,3 32,2,128,8 64,2,128,8 64,2,64,4").split()]
+
+
+def gpu_main() -> None:
+    from chordq.kernels.align import align_row_tiles
+    from chordq.kernels.gluon_w4a16 import moe_gemm_indexed_gluon
+    from chordq.kernels.triton_config import choose_row_tiles
+    from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
+    from chordq.layout import row_blocks
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import contest
+
+    def contestants(c, add):
+        # row-blocked words, as prepare_weights ships them (contest's own are unblocked)
+        wb, sb = row_blocks(c.wf, c.p.k), row_blocks(c.sf, c.p.k)
+        tiles = choose_row_tiles(c.rows / c.p.num_experts, c.p.n, c.p.k)
+        pieces = align_row_tiles(c.topk, tiles, c.p.num_experts)
+        add("triton blocked", tiles[0], lambda out, a, nb: moe_gemm_mixed_triton(
+            c.x, wb, sb, pieces, c.p.top_k, out=out, w_order="blocked"))
+        for bm, stages, bn, warps in TILES:
+            add(f"G{bm} s{stages} {bn}x{warps}", bm,
+                lambda out, a, nb, bm=bm, stages=stages, bn=bn, warps=warps:
+                moe_gemm_indexed_gluon(
+                    c.x, wb, sb, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb,
+                    block_n=bn, num_warps=warps, num_stages=stages, gated=False, blocked=True,
+                    block_m=bm))
+
+    contest.run(ROWS, os.environ.get("GLUON_T", ""),
+                os.path.join(os.environ.get("OUT", "/tmp/lab"), "decode_rows.json"),
+                contestants)
+
+
+if __name__ == "__main__":
+    gpu_main()
