@@ -114,14 +114,25 @@ def _dequant_mma(w, s, x, acc, a_layout: gl.constexpr, b_layout: gl.constexpr,
 
 
 @gluon.jit
+def _weight_rows(r, n0, N, OUT_N: gl.constexpr, GATED: gl.constexpr):
+    """Tile row ``r`` -> weight row: ``n0 + r``; with GATED, rows ``[0, OUT_N)`` are gate rows
+    ``n0 + r`` and the rest the matching up rows ``N + n0 + r - OUT_N``."""
+    if GATED:
+        return gl.where(r < OUT_N, n0 + r, N + n0 + r - OUT_N)
+    return n0 + r
+
+
+@gluon.jit
 def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
                          N, K, num_routes, stride_xm, stride_om,
                          TOP_K: gl.constexpr, BN: gl.constexpr, GATED: gl.constexpr,
                          STAGES: gl.constexpr, BLOCKED: gl.constexpr, BM: gl.constexpr,
                          num_warps: gl.constexpr, SPLIT: gl.constexpr = 1):
-    """One (8-row block, column tile): ``C^T [BN, 8]`` over all of K, then the store. With
+    """One (BM-row block, column tile): ``C^T [BN, BM]`` over all of K, then the store. With
     GATED the tile's rows are ``BN / 2`` gate rows and the matching up rows (``N + n``), kept
     in the same threads (the top row bit is a register bit) for the fused SiLU-and-mul.
+    SPLIT > 1: program ``(.., .., s)`` runs the s-th share of the K steps and stores its FP32
+    sums (before any activation) into ``out_ptr``'s partial ``s``.
     BLOCKED: words and scales in ``chordq.layout.row_blocks`` (a step of 128 rows is one
     16 KB piece of words)."""
     w_l: gl.constexpr = _layouts(BN, num_warps)[0]
@@ -148,14 +159,8 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
         k8 = (K // BK) * 32  # words per row, visibly a multiple of 32 (16-byte rows)
         ks = (K // BK) * 8
         n_w = 2 * N if GATED else N
-        wr = gl.arange(0, BN, layout=gl.SliceLayout(1, wc_l))
-        sr = gl.arange(0, BN, layout=gl.SliceLayout(1, sc_l))
-        if GATED:
-            wr = gl.where(wr < OUT_N, n0 + wr, N + n0 + wr - OUT_N)
-            sr = gl.where(sr < OUT_N, n0 + sr, N + n0 + sr - OUT_N)
-        else:
-            wr = n0 + wr
-            sr = n0 + sr
+        wr = _weight_rows(gl.arange(0, BN, layout=gl.SliceLayout(1, wc_l)), n0, N, OUT_N, GATED)
+        sr = _weight_rows(gl.arange(0, BN, layout=gl.SliceLayout(1, sc_l)), n0, N, OUT_N, GATED)
         wc = gl.arange(0, 32, layout=gl.SliceLayout(0, wc_l))
         sc = gl.arange(0, 8, layout=gl.SliceLayout(0, sc_l))
         if BLOCKED:  # row block r // 128 (128 k8 words), row r % 128 of each piece
@@ -211,11 +216,8 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
 
         if SPLIT > 1:  # FP32 partial [SPLIT, num_routes, n_w] (gate, then up columns): the
             # reduce kernel (triton_w4a16._split_k_reduce_kernel) sums and finishes
-            prow = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-            if GATED:
-                prow = gl.where(prow < OUT_N, n0 + prow, N + n0 + prow - OUT_N)
-            else:
-                prow = n0 + prow
+            prow = _weight_rows(gl.arange(0, BN, layout=gl.SliceLayout(1, mma)), n0, N, OUT_N,
+                                GATED)
             pcol = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
             proutes = gl.load(sorted_ids_ptr + pid_b * BM + pcol)
             p_ptrs = (out_ptr + gl.program_id(2).to(gl.int64) * num_routes * stride_om
@@ -324,11 +326,14 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
                            num_stages: int, gated: bool, blocked: bool = False,
                            n_tiles: int = 1, block_m: int = 8, split_k: int = 1,
                            max_registers: int | None = None) -> torch.Tensor:
-    """Launch the 8-row tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
-    (subnormal weights, 8-row alignment) and calls this for ``backend="gluon"`` configs.
+    """Launch the decode tile on ``block_m``-row blocks (8, 16 or 32);
+    ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments (subnormal weights, the
+    blocks' alignment) and calls this for ``backend="gluon"`` configs.
     ``blocked``: the weights are in ``chordq.layout.row_blocks`` (``w_order="blocked"``).
     ``n_tiles`` > 1: each program loops over that many column tiles (K = 256, no
-    activation: ``_w4a16_decode_cols_kernel``)."""
+    activation: ``_w4a16_decode_cols_kernel``). ``split_k`` > 1: FP32 partials over shares
+    of the K steps, summed and finished by ``triton_w4a16._split_k_reduce_kernel``;
+    ``max_registers``: Triton's ``maxnreg`` (lab options, not in the heuristics)."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
     out_n = block_n // 2 if gated else block_n

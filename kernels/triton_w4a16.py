@@ -57,9 +57,9 @@ from triton.runtime.interpreter import InterpretedFunction
 from chordq.layout import K_BLOCK, ROW_BLOCK
 
 from . import triton_config
-from .triton_config import (GLUON_DECODE_ROWS, GROUP_SIZE, K_ORDER_OF, K_ORDERS, SUBNORMAL_W_ORDERS, W_ORDERS,
-                            W4A16Config, choose_config, choose_gluon_n_tiles, choose_n_tiles,
-                            choose_split_k)
+from .triton_config import (GLUON_DECODE_ROWS, GROUP_SIZE, K_ORDER_OF, K_ORDERS,
+                            SUBNORMAL_W_ORDERS, W_ORDERS, W4A16Config, choose_config,
+                            choose_gluon_n_tiles, choose_n_tiles, choose_split_k)
 
 __all__ = [
     "indexed_config",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
 
 ROWS = ([("EP8", "gate_up", t) for t in (8, 20, 32)] + [("EP8", "down", t) for t in (8, 32)]
         + [("TP8", "gate_up", t) for t in (8, 20, 32, 128)]
@@ -28,28 +27,23 @@ TILES = [tuple(int(v) for v in t.split(",")) for t in os.environ.get(
 
 
 def gpu_main() -> None:
-    from chordq.kernels.gluon_w4a16 import moe_gemm_indexed_gluon
-    from chordq.layout import row_blocks
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import contest
 
     def contestants(c, add):
-        wb, sb = row_blocks(c.wf, c.p.k), row_blocks(c.sf, c.p.k)
+        wb, sb = c.extra
         for bn, warps, stages in TILES:
             for gated in (False, True) if c.proj == "gate_up" else (False,):
                 act = "silu_mul" if gated else None
                 for name, blk, w, s in (("smem", False, c.wf, c.sf), ("blk", True, wb, sb)):
                     add(f"{name} {bn}x{warps} s{stages}" + (" fused" if gated else ""), 8,
-                        lambda out, a, nb, blk=blk, w=w, s=s, bn=bn, warps=warps,
-                        stages=stages, gated=gated: moe_gemm_indexed_gluon(
-                            c.x, w, s, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb,
-                            block_n=bn, num_warps=warps, num_stages=stages, gated=gated,
-                            blocked=blk), act=act)
+                        contest.gluon_decode(c, w, s, block_n=bn, num_warps=warps,
+                                             num_stages=stages, gated=gated, blocked=blk),
+                        act=act)
 
     contest.run(ROWS, os.environ.get("GLUON_T", ""),
                 os.path.join(os.environ.get("OUT", "/tmp/lab"), "blocked_decode.json"),
-                contestants)
+                contestants, extra_weights=contest.blocked_weights)
 
 
 if __name__ == "__main__":

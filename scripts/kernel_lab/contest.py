@@ -28,6 +28,21 @@ from chordq.kernels.triton_config import choose_row_tiles
 from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
 
 
+def gluon_decode(c, words: torch.Tensor, scales: torch.Tensor, **kw):
+    """A contestant's ``launch`` for ``gluon_w4a16.moe_gemm_indexed_gluon`` on row ``c`` with
+    these words and scales; ``kw``: the tile's keyword arguments (``block_n`` ...)."""
+    from chordq.kernels.gluon_w4a16 import moe_gemm_indexed_gluon
+
+    return lambda out, a, nb: moe_gemm_indexed_gluon(
+        c.x, words, scales, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb, **kw)
+
+
+def blocked_weights(words: torch.Tensor, scales: torch.Tensor):
+    """``run``'s ``extra_weights`` for the row-blocked words and scales ``prepare_weights``
+    ships (``ctx.extra``; the contest's own ``ctx.wf``, ``ctx.sf`` are unblocked)."""
+    return H.convert_weights(words, scales, "blocked")
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc) or repr(exc)).strip().splitlines()[-1][:300]
 

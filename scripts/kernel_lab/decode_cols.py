@@ -22,18 +22,14 @@ COLS = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
 
 
 def gpu_main() -> None:
-    from chordq.kernels.gluon_w4a16 import moe_gemm_indexed_gluon
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import contest
 
     def contestants(c, add):
         for n_tiles, stages in COLS:
-            add(f"L{n_tiles} s{stages}", 8,
-                lambda out, a, nb, n_tiles=n_tiles, stages=stages: moe_gemm_indexed_gluon(
-                    c.x, c.wf, c.sf, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb,
-                    block_n=128, num_warps=4, num_stages=stages, gated=False, blocked=False,
-                    n_tiles=n_tiles))
+            add(f"L{n_tiles} s{stages}", 8, contest.gluon_decode(
+                c, c.wf, c.sf, block_n=128, num_warps=4, num_stages=stages, gated=False,
+                blocked=False, n_tiles=n_tiles))
 
     contest.run(ROWS, os.environ.get("GLUON_T", ""),
                 os.path.join(os.environ.get("OUT", "/tmp/lab"), "decode_cols.json"),

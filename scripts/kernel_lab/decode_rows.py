@@ -26,32 +26,26 @@ TILES = [(tuple(int(v) for v in c.split(",")) + (128, 4))[:4] for c in os.enviro
 
 def gpu_main() -> None:
     from chordq.kernels.align import align_row_tiles
-    from chordq.kernels.gluon_w4a16 import moe_gemm_indexed_gluon
     from chordq.kernels.triton_config import choose_row_tiles
     from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
-    from chordq.layout import row_blocks
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import contest
 
     def contestants(c, add):
-        # row-blocked words, as prepare_weights ships them (contest's own are unblocked)
-        wb, sb = row_blocks(c.wf, c.p.k), row_blocks(c.sf, c.p.k)
+        wb, sb = c.extra
         tiles = choose_row_tiles(c.rows / c.p.num_experts, c.p.n, c.p.k)
         pieces = align_row_tiles(c.topk, tiles, c.p.num_experts)
         add("triton blocked", tiles[0], lambda out, a, nb: moe_gemm_mixed_triton(
             c.x, wb, sb, pieces, c.p.top_k, out=out, w_order="blocked"))
         for bm, stages, bn, warps in TILES:
-            add(f"G{bm} s{stages} {bn}x{warps}", bm,
-                lambda out, a, nb, bm=bm, stages=stages, bn=bn, warps=warps:
-                moe_gemm_indexed_gluon(
-                    c.x, wb, sb, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb,
-                    block_n=bn, num_warps=warps, num_stages=stages, gated=False, blocked=True,
-                    block_m=bm))
+            add(f"G{bm} s{stages} {bn}x{warps}", bm, contest.gluon_decode(
+                c, wb, sb, block_n=bn, num_warps=warps, num_stages=stages, gated=False,
+                blocked=True, block_m=bm))
 
     contest.run(ROWS, os.environ.get("GLUON_T", ""),
                 os.path.join(os.environ.get("OUT", "/tmp/lab"), "decode_rows.json"),
-                contestants)
+                contestants, extra_weights=contest.blocked_weights)
 
 
 if __name__ == "__main__":

@@ -24,24 +24,19 @@ SPLITS = [tuple(int(v) for v in c.split(",")) for c in os.environ.get(
 
 
 def gpu_main() -> None:
-    from chordq.kernels.gluon_w4a16 import moe_gemm_indexed_gluon
-    from chordq.layout import row_blocks
-
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import contest
 
     def contestants(c, add):
-        wb, sb = row_blocks(c.wf, c.p.k), row_blocks(c.sf, c.p.k)
+        wb, sb = c.extra
         for split, regs in SPLITS:
-            add(f"G8 S{split}" + (f" R{regs}" if regs else ""), 8,
-                lambda out, a, nb, split=split, regs=regs: moe_gemm_indexed_gluon(
-                    c.x, wb, sb, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb,
-                    block_n=128, num_warps=4, num_stages=2, gated=False, blocked=True,
-                    split_k=split, max_registers=regs or None))
+            add(f"G8 S{split}" + (f" R{regs}" if regs else ""), 8, contest.gluon_decode(
+                c, wb, sb, block_n=128, num_warps=4, num_stages=2, gated=False, blocked=True,
+                split_k=split, max_registers=regs or None))
 
     contest.run(ROWS, os.environ.get("GLUON_T", ""),
                 os.path.join(os.environ.get("OUT", "/tmp/lab"), "decode_split.json"),
-                contestants)
+                contestants, extra_weights=contest.blocked_weights)
 
 
 if __name__ == "__main__":
