@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from .triton_w4a16 import _DEQUANT_SUBNORMAL_ASM
 
 __all__ = ["GLUON_BLOCK_K", "compile_kernel_sm90", "compile_sm90", "gluon_ready",
-           "moe_gemm_indexed_gluon"]
+           "moe_gemm_indexed_gluon", "stream_k_registers"]
 
 GLUON_BLOCK_K = 256  # K per step: 8 scale groups, 32 words per weight row
 BK = gl.constexpr(GLUON_BLOCK_K)
@@ -122,6 +122,111 @@ def _weight_rows(r, n0, N, OUT_N: gl.constexpr, GATED: gl.constexpr):
     return n0 + r
 
 
+@gluon.constexpr_function
+def _mma_layout(num_warps):
+    """The accumulator: ``mma.sync`` m16n8, ``[num_warps, 1]`` warps of 16 weight rows."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def _shared_layouts():
+    """The copy ring's swizzles: words ``[BN, 32]``, X rows ``[BM, 256]``, scales ``[BN, 8]``."""
+    return (gl.SwizzledSharedLayout(4, 1, 8, [1, 0]), gl.SwizzledSharedLayout(8, 1, 8, [1, 0]),
+            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+
+@gluon.jit
+def _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, expert, pid_b, n0,
+                first, num_steps, N, K, num_routes, stride_xm, TOP_K: gl.constexpr,
+                BN: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
+                BLOCKED: gl.constexpr, BM: gl.constexpr, num_warps: gl.constexpr):
+    """``C^T [BN, BM]`` of block ``pid_b`` (expert ``expert``) and the column tile from weight
+    row ``n0``, over K steps ``first .. first + num_steps``, through the copy ring in
+    ``w_smem``, ``x_smem``, ``s_smem``."""
+    w_l: gl.constexpr = _layouts(BN, num_warps)[0]
+    s3_l: gl.constexpr = _layouts(BN, num_warps)[1]
+    x_l: gl.constexpr = _layouts(BN, num_warps, BM)[2]
+    mma: gl.constexpr = _mma_layout(num_warps)
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # copies: one 16-byte chunk per thread and register
+    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    xc_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    sc_l: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [num_warps, 1], [1, 0])
+    OUT_N: gl.constexpr = BN // 2 if GATED else BN
+
+    k8 = (K // BK) * 32  # words per row, visibly a multiple of 32 (16-byte rows)
+    ks = (K // BK) * 8
+    n_w = 2 * N if GATED else N
+    wr = _weight_rows(gl.arange(0, BN, layout=gl.SliceLayout(1, wc_l)), n0, N, OUT_N, GATED)
+    sr = _weight_rows(gl.arange(0, BN, layout=gl.SliceLayout(1, sc_l)), n0, N, OUT_N, GATED)
+    wc = gl.arange(0, 32, layout=gl.SliceLayout(0, wc_l))
+    sc = gl.arange(0, 8, layout=gl.SliceLayout(0, sc_l))
+    if BLOCKED:  # row block r // 128 (128 k8 words), row r % 128 of each piece
+        w_ptrs = (w_ptr + expert * n_w * k8 + (wr // 128)[:, None] * (128 * k8)
+                  + (wr % 128)[:, None] * 32 + wc[None, :])
+        s_ptrs = (s_ptr + expert * n_w * ks + (sr // 128)[:, None] * (128 * ks)
+                  + (sr % 128)[:, None] * 8 + sc[None, :])
+        w_step = 4096  # words and scales from one piece to the next: 128 rows
+        s_step = 1024
+    else:
+        w_ptrs = w_ptr + expert * n_w * k8 + wr[:, None] * k8 + wc[None, :]
+        s_ptrs = s_ptr + expert * n_w * ks + sr[:, None] * ks + sc[None, :]
+        w_step = 32
+        s_step = 8
+    xr = gl.arange(0, BM, layout=gl.SliceLayout(1, xc_l))
+    xc = gl.arange(0, BK, layout=gl.SliceLayout(0, xc_l))
+    routes = gl.load(sorted_ids_ptr + pid_b * BM + xr)
+    routes = gl.where(routes < num_routes, routes, 0)  # sentinels read row 0, not stored
+    x_ptrs = x_ptr + (routes // TOP_K).to(gl.int64)[:, None] * stride_xm + xc[None, :]
+    w_ptrs += first * w_step
+    s_ptrs += first * s_step
+    x_ptrs += first * BK
+
+    for i in gl.static_range(STAGES - 1):
+        ok = i < num_steps
+        _cp_async(w_smem.index(i), w_ptrs + i * w_step, mask=ok)
+        _cp_async(x_smem.index(i), x_ptrs + i * BK, mask=ok)
+        _cp_async(s_smem.index(i), s_ptrs + i * s_step, mask=ok)
+        async_copy.commit_group()
+    acc = gl.zeros([BN, BM], gl.float32, mma)
+    for step in range(num_steps):
+        nxt = step + STAGES - 1
+        slot = nxt % STAGES
+        ok = nxt < num_steps
+        _barrier()  # every warp is done with this slot (step - 1's data)
+        _cp_async(w_smem.index(slot), w_ptrs + nxt * w_step, mask=ok)
+        _cp_async(x_smem.index(slot), x_ptrs + nxt * BK, mask=ok)
+        _cp_async(s_smem.index(slot), s_ptrs + nxt * s_step, mask=ok)
+        async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)
+        _barrier()  # step's copies, made by all threads, are visible
+        cur = step % STAGES
+        acc = _dequant_mma(w_smem.index(cur).load(w_l), s_smem.index(cur).load(
+            gl.SliceLayout(2, s3_l)), x_smem.index(cur).load(x_l), acc, a_l, b_l, s3_l, BN)
+    return acc
+
+
+@gluon.jit
+def _store_out(acc, out_ptr, sorted_ids_ptr, pid_b, n0, num_routes, stride_om,
+               OUT_N: gl.constexpr, BM: gl.constexpr, GATED: gl.constexpr):
+    """Store a finished ``C^T`` tile as BF16 rows of ``out`` (GATED: SiLU(gate) * up)."""
+    if GATED:  # rows [0, BN/2) gate, [BN/2, BN) up: the same threads, a register apart
+        gate, up = gl.split(gl.permute(gl.reshape(acc, [2, OUT_N, BM]), [1, 2, 0]))
+        gate = gate.to(gl.bfloat16).to(gl.float32)
+        up = up.to(gl.bfloat16).to(gl.float32)
+        res = gate / (1.0 + gl.exp(-gate)) * up
+    else:
+        res = acc
+    o_l: gl.constexpr = res.type.layout
+    orow = gl.arange(0, OUT_N, layout=gl.SliceLayout(1, o_l))
+    ocol = gl.arange(0, BM, layout=gl.SliceLayout(0, o_l))
+    oroutes = gl.load(sorted_ids_ptr + pid_b * BM + ocol)
+    o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n0 + orow)[:, None]
+    gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :])
+
+
 @gluon.jit
 def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
                          N, K, num_routes, stride_xm, stride_om,
@@ -135,20 +240,7 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
     sums (before any activation) into ``out_ptr``'s partial ``s``.
     BLOCKED: words and scales in ``chordq.layout.row_blocks`` (a step of 128 rows is one
     16 KB piece of words)."""
-    w_l: gl.constexpr = _layouts(BN, num_warps)[0]
-    s3_l: gl.constexpr = _layouts(BN, num_warps)[1]
-    x_l: gl.constexpr = _layouts(BN, num_warps, BM)[2]
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, 8])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    # copies: one 16-byte chunk per thread and register
-    wc_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
-    xc_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-    sc_l: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [num_warps, 1], [1, 0])
-    w_sl: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-    x_sl: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
-    s_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    mma: gl.constexpr = _mma_layout(num_warps)
     OUT_N: gl.constexpr = BN // 2 if GATED else BN
 
     pid_n = gl.program_id(0)
@@ -156,64 +248,18 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
     expert = gl.load(expert_ids_ptr + pid_b).to(gl.int64)
     if (pid_b * BM < gl.load(ntp_ptr)) & (expert >= 0):
         n0 = pid_n * OUT_N
-        k8 = (K // BK) * 32  # words per row, visibly a multiple of 32 (16-byte rows)
-        ks = (K // BK) * 8
-        n_w = 2 * N if GATED else N
-        wr = _weight_rows(gl.arange(0, BN, layout=gl.SliceLayout(1, wc_l)), n0, N, OUT_N, GATED)
-        sr = _weight_rows(gl.arange(0, BN, layout=gl.SliceLayout(1, sc_l)), n0, N, OUT_N, GATED)
-        wc = gl.arange(0, 32, layout=gl.SliceLayout(0, wc_l))
-        sc = gl.arange(0, 8, layout=gl.SliceLayout(0, sc_l))
-        if BLOCKED:  # row block r // 128 (128 k8 words), row r % 128 of each piece
-            w_ptrs = (w_ptr + expert * n_w * k8 + (wr // 128)[:, None] * (128 * k8)
-                      + (wr % 128)[:, None] * 32 + wc[None, :])
-            s_ptrs = (s_ptr + expert * n_w * ks + (sr // 128)[:, None] * (128 * ks)
-                      + (sr % 128)[:, None] * 8 + sc[None, :])
-            w_step = 4096  # words and scales from one piece to the next: 128 rows
-            s_step = 1024
-        else:
-            w_ptrs = w_ptr + expert * n_w * k8 + wr[:, None] * k8 + wc[None, :]
-            s_ptrs = s_ptr + expert * n_w * ks + sr[:, None] * ks + sc[None, :]
-            w_step = 32
-            s_step = 8
-        xr = gl.arange(0, BM, layout=gl.SliceLayout(1, xc_l))
-        xc = gl.arange(0, BK, layout=gl.SliceLayout(0, xc_l))
-        routes = gl.load(sorted_ids_ptr + pid_b * BM + xr)
-        routes = gl.where(routes < num_routes, routes, 0)  # sentinels read row 0, not stored
-        x_ptrs = x_ptr + (routes // TOP_K).to(gl.int64)[:, None] * stride_xm + xc[None, :]
-
-        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], w_sl)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_sl)
-        s_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 8], s_sl)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], _shared_layouts()[0])
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], _shared_layouts()[1])
+        s_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 8], _shared_layouts()[2])
         num_steps = K // BK
+        first = 0
         if SPLIT > 1:  # this program's share of the K steps (the host leaves none empty)
             per = (num_steps + SPLIT - 1) // SPLIT
             first = gl.program_id(2) * per
             num_steps = gl.minimum(per, num_steps - first)
-            w_ptrs += first * w_step
-            s_ptrs += first * s_step
-            x_ptrs += first * BK
-        for i in gl.static_range(STAGES - 1):
-            ok = i < num_steps
-            _cp_async(w_smem.index(i), w_ptrs + i * w_step, mask=ok)
-            _cp_async(x_smem.index(i), x_ptrs + i * BK, mask=ok)
-            _cp_async(s_smem.index(i), s_ptrs + i * s_step, mask=ok)
-            async_copy.commit_group()
-        acc = gl.zeros([BN, BM], gl.float32, mma)
-        for step in range(num_steps):
-            nxt = step + STAGES - 1
-            slot = nxt % STAGES
-            ok = nxt < num_steps
-            _barrier()  # every warp is done with this slot (step - 1's data)
-            _cp_async(w_smem.index(slot), w_ptrs + nxt * w_step, mask=ok)
-            _cp_async(x_smem.index(slot), x_ptrs + nxt * BK, mask=ok)
-            _cp_async(s_smem.index(slot), s_ptrs + nxt * s_step, mask=ok)
-            async_copy.commit_group()
-            async_copy.wait_group(STAGES - 1)
-            _barrier()  # step's copies, made by all threads, are visible
-            cur = step % STAGES
-            acc = _dequant_mma(w_smem.index(cur).load(w_l), s_smem.index(cur).load(
-                gl.SliceLayout(2, s3_l)), x_smem.index(cur).load(x_l), acc, a_l, b_l, s3_l, BN)
-
+        acc = _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, expert,
+                          pid_b, n0, first, num_steps, N, K, num_routes, stride_xm, TOP_K, BN,
+                          GATED, STAGES, BLOCKED, BM, num_warps)
         if SPLIT > 1:  # FP32 partial [SPLIT, num_routes, n_w] (gate, then up columns): the
             # reduce kernel (triton_w4a16._split_k_reduce_kernel) sums and finishes
             prow = _weight_rows(gl.arange(0, BN, layout=gl.SliceLayout(1, mma)), n0, N, OUT_N,
@@ -224,19 +270,96 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
                       + proutes.to(gl.int64)[None, :] * stride_om + prow[:, None])
             gl.store(p_ptrs, acc, mask=(proutes < num_routes)[None, :])
         else:
-            if GATED:  # rows [0, BN/2) gate, [BN/2, BN) up: the same threads, a register apart
-                gate, up = gl.split(gl.permute(gl.reshape(acc, [2, OUT_N, BM]), [1, 2, 0]))
-                gate = gate.to(gl.bfloat16).to(gl.float32)
-                up = up.to(gl.bfloat16).to(gl.float32)
-                res = gate / (1.0 + gl.exp(-gate)) * up
-            else:
-                res = acc
-            o_l: gl.constexpr = res.type.layout
-            orow = gl.arange(0, OUT_N, layout=gl.SliceLayout(1, o_l))
-            ocol = gl.arange(0, BM, layout=gl.SliceLayout(0, o_l))
-            oroutes = gl.load(sorted_ids_ptr + pid_b * BM + ocol)
-            o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n0 + orow)[:, None]
-            gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :])
+            _store_out(acc, out_ptr, sorted_ids_ptr, pid_b, n0, num_routes, stride_om, OUT_N,
+                       BM, GATED)
+
+
+@gluon.jit
+def _decode_piece(tile, first, num, steps, slot, col_tiles, x_ptr, w_ptr, s_ptr, out_ptr,
+                  sorted_ids_ptr, expert_ids_ptr, parts_ptr, arrivals_ptr, w_smem, x_smem, s_smem,
+                  N, K, num_routes, stride_xm, stride_om, stride_p, TOP_K: gl.constexpr,
+                  BN: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
+                  BLOCKED: gl.constexpr, BM: gl.constexpr, num_warps: gl.constexpr):
+    """K steps ``first .. first + num`` of ``tile`` (block ``tile // col_tiles``, column tile
+    ``tile % col_tiles``) for the stream-K kernel: a whole tile is stored; a cut one is added
+    into boundary ``slot`` of ``parts_ptr`` and stored by the second of its two programs to
+    arrive (``triton_w4a16._streamk_piece``'s protocol)."""
+    mma: gl.constexpr = _mma_layout(num_warps)
+    OUT_N: gl.constexpr = BN // 2 if GATED else BN
+    pid_b = tile // col_tiles
+    n0 = (tile % col_tiles) * OUT_N
+    expert = gl.load(expert_ids_ptr + pid_b).to(gl.int64)
+    if expert >= 0:  # both programs of a cut tile skip an expert of another rank alike
+        _barrier()  # every warp is done with the copy ring's last piece
+        acc = _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, expert,
+                          pid_b, n0, first, num, N, K, num_routes, stride_xm, TOP_K, BN, GATED,
+                          STAGES, BLOCKED, BM, num_warps)
+        if num == steps:
+            _store_out(acc, out_ptr, sorted_ids_ptr, pid_b, n0, num_routes, stride_om, OUT_N,
+                       BM, GATED)
+        else:
+            prow = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+            pcol = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+            part = parts_ptr + slot * stride_p + prow[:, None] * BM + pcol[None, :]
+            gl.atomic_add(part, acc, sem="relaxed")
+            _barrier()  # every thread's partial is in before the count
+            if gl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel") == 1:
+                zeros = gl.zeros([BN, BM], gl.float32, mma)
+                acc = gl.atomic_add(part, zeros, sem="relaxed")  # read where the adds went
+                gl.store(part, zeros)
+                gl.store(arrivals_ptr + slot, 0)
+                _store_out(acc, out_ptr, sorted_ids_ptr, pid_b, n0, num_routes, stride_om,
+                           OUT_N, BM, GATED)
+
+
+@gluon.jit
+def _w4a16_decode_sk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr,
+                            ntp_ptr, parts_ptr, arrivals_ptr, N, K, num_routes, num_blocks,
+                            stride_xm, stride_om, stride_p, TOP_K: gl.constexpr,
+                            BN: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
+                            BLOCKED: gl.constexpr, BM: gl.constexpr, num_warps: gl.constexpr):
+    """The decode tile as stream-K (``triton_w4a16._w4a16_indexed_streamk_kernel``'s
+    schedule): persistent programs take whole tiles (column tiles fastest) for the full waves;
+    a last wave under 80% full and the full wave before it are laid end to end as K steps and
+    cut into one equal range per program. ``parts_ptr`` ``[programs, stride_p]`` FP32 and
+    ``arrivals_ptr`` ``[programs]`` int32 are zero before and after each launch.
+
+    Why: TP8 gate_up decode makes about as many tiles as the 528 program slots (4 an SM):
+    T=20 ran 69.5 µs where one wave sufficed and 91.3 where ~540 tiles spilled a few into a
+    second (H200, variant 50); Humming runs these rows stream-K."""
+    OUT_N: gl.constexpr = BN // 2 if GATED else BN
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], _shared_layouts()[0])
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], _shared_layouts()[1])
+    s_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 8], _shared_layouts()[2])
+    col_tiles = N // OUT_N
+    live = gl.minimum((gl.load(ntp_ptr) + BM - 1) // BM, num_blocks)
+    tiles = live * col_tiles
+    programs = gl.minimum(gl.num_programs(0), tiles)
+    pid = gl.program_id(0)
+    if pid < programs:
+        steps = K // BK
+        tail = tiles % programs
+        sk_tiles = gl.where((tail > 0) & (tail * 5 < programs * 4),
+                            gl.minimum(tiles, tail + programs), 0)
+        dp_tiles = tiles - sk_tiles
+        for tile in range(pid, dp_tiles, programs):
+            _decode_piece(tile, 0, steps, steps, 0, col_tiles, x_ptr, w_ptr, s_ptr, out_ptr,
+                          sorted_ids_ptr, expert_ids_ptr, parts_ptr, arrivals_ptr, w_smem,
+                          x_smem, s_smem, N, K, num_routes, stride_xm, stride_om, stride_p,
+                          TOP_K, BN, GATED, STAGES, BLOCKED, BM, num_warps)
+        total = sk_tiles.to(gl.int64) * steps
+        it = pid * total // programs
+        end = (pid + 1) * total // programs
+        while it < end:
+            tile = dp_tiles + (it // steps).to(gl.int32)
+            first = (it - (tile - dp_tiles).to(gl.int64) * steps).to(gl.int32)
+            num = gl.minimum(steps - first, (end - it).to(gl.int32))
+            slot = gl.where(first > 0, pid, pid + 1)  # the boundary inside a cut tile
+            _decode_piece(tile, first, num, steps, slot, col_tiles, x_ptr, w_ptr, s_ptr,
+                          out_ptr, sorted_ids_ptr, expert_ids_ptr, parts_ptr, arrivals_ptr,
+                          w_smem, x_smem, s_smem, N, K, num_routes, stride_xm, stride_om,
+                          stride_p, TOP_K, BN, GATED, STAGES, BLOCKED, BM, num_warps)
+            it += num
 
 
 @gluon.jit
@@ -319,13 +442,20 @@ def _w4a16_decode_cols_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expe
             gl.store(o_ptrs + j * BN, acc.to(gl.bfloat16), mask=o_mask)
 
 
+def stream_k_registers(per_sm: int, num_warps: int) -> int:
+    """The register cap that fits ``per_sm`` programs of the stream-K tile an SM: ptxas takes
+    134 uncapped (3 an SM), 106 under a 128 cap, without spilling."""
+    return min(255, 65536 // (per_sm * num_warps * 32) // 8 * 8)
+
+
 def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,
                            sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
                            num_tokens_post_padded: torch.Tensor, top_k: int, out: torch.Tensor,
                            *, num_routes: int, grid_m: int, block_n: int, num_warps: int,
                            num_stages: int, gated: bool, blocked: bool = False,
                            n_tiles: int = 1, block_m: int = 8, split_k: int = 1,
-                           max_registers: int | None = None) -> torch.Tensor:
+                           max_registers: int | None = None, stream_k: int = 0
+                           ) -> torch.Tensor:
     """Launch the decode tile on ``block_m``-row blocks (8, 16 or 32);
     ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments (subnormal weights, the
     blocks' alignment) and calls this for ``backend="gluon"`` configs.
@@ -333,7 +463,8 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
     ``n_tiles`` > 1: each program loops over that many column tiles (K = 256, no
     activation: ``_w4a16_decode_cols_kernel``). ``split_k`` > 1: FP32 partials over shares
     of the K steps, summed and finished by ``triton_w4a16._split_k_reduce_kernel``;
-    ``max_registers``: Triton's ``maxnreg`` (lab options, not in the heuristics)."""
+    ``max_registers``: Triton's ``maxnreg`` (lab options, not in the heuristics).
+    ``stream_k`` > 0: that many persistent programs an SM (``_w4a16_decode_sk_kernel``)."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
     out_n = block_n // 2 if gated else block_n
@@ -353,6 +484,21 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
             N_TILES=n_tiles, STAGES=num_stages, num_warps=num_warps)
         return out
     opts = {} if max_registers is None else {"maxnreg": max_registers}
+    if stream_k:
+        if split_k > 1 or block_m != 8:
+            raise ValueError(f"stream_k runs the 8-row tile without split_k, got block_m="
+                             f"{block_m}, split_k={split_k}")
+        from .triton_w4a16 import _num_sms, _stream_k_buffers
+
+        opts.setdefault("maxnreg", stream_k_registers(stream_k, num_warps))
+        programs = min(_num_sms(x.device) * stream_k, grid_m * (n // out_n))
+        parts, arrivals = _stream_k_buffers(x.device, programs, block_n * block_m)
+        _w4a16_decode_sk_kernel[(programs,)](
+            x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
+            parts, arrivals, n, k, num_routes, grid_m, x.stride(0), out.stride(0),
+            parts.stride(0), TOP_K=top_k, BN=block_n, GATED=gated, STAGES=num_stages,
+            BLOCKED=blocked, BM=block_m, num_warps=num_warps, **opts)
+        return out
     if split_k == 1:
         _w4a16_decode_kernel[(n // out_n, grid_m)](
             x, w_packed, w_scale, out, sorted_token_ids, expert_ids, num_tokens_post_padded,
@@ -401,9 +547,17 @@ def compile_kernel_sm90(fn, consts: dict, types: dict | None = None, **options):
 
 
 def compile_sm90(block_n: int = 128, num_warps: int = 4, num_stages: int = 2, gated: bool = False,
-                 top_k: int = 8, blocked: bool = True, n_tiles: int = 1, block_m: int = 8):
+                 top_k: int = 8, blocked: bool = True, n_tiles: int = 1, block_m: int = 8,
+                 stream_k: int = 0):
     """The decode tile built for sm_90 on the CPU (``compile_kernel_sm90``: tests, kernel lab);
-    ``n_tiles`` > 1: the column-looping form."""
+    ``n_tiles`` > 1: the column-looping form; ``stream_k`` > 0: the stream-K form under the
+    register cap that ``moe_gemm_indexed_gluon`` gives it."""
+    if stream_k:
+        return compile_kernel_sm90(_w4a16_decode_sk_kernel, {
+            "TOP_K": top_k, "BN": block_n, "GATED": gated, "STAGES": num_stages,
+            "BLOCKED": blocked, "BM": block_m, "num_warps": num_warps},
+            {"parts_ptr": "*fp32", "arrivals_ptr": "*i32"},
+            maxnreg=stream_k_registers(stream_k, num_warps))
     if n_tiles > 1:
         return compile_kernel_sm90(_w4a16_decode_cols_kernel, {
             "TOP_K": top_k, "BN": block_n, "N_TILES": n_tiles, "STAGES": num_stages,

@@ -124,20 +124,24 @@ class W4A16Config:
                              f"got stream_k={self.stream_k} split_k={self.split_k} "
                              f"n_tiles={self.n_tiles}")
         if self.backend == "gluon":
-            plain = (self.k_order, self.split_k, self.stream_k, self.max_registers,
-                     self.columns_first) == ("subnormal", 1, 0, None, False)
+            plain = (self.k_order, self.split_k, self.max_registers,
+                     self.columns_first) == ("subnormal", 1, None, False)
             decode = (self.block_m in GLUON_DECODE_ROWS and self.block_k == 256
                       and self.block_n >= 64 and (self.n_tiles == 1 or self.num_stages >= 2
-                                                  and self.block_m == 8))
+                                                  and self.block_m == 8)
+                      and (not self.stream_k or self.block_m == 8))
+            if self.stream_k and not decode:
+                plain = False
             prefill = (self.block_m in (96, 64) and self.block_k in (64, 128, 256)
                        and self.block_n in (128, 256) and self.num_warps == 4
                        and self.n_tiles == 1)
             if not (plain and (decode or prefill)):
                 raise ValueError(f"the gluon backend is the decode tile (block_m 8, 16 or 32, "
-                                 f"block_k 256, block_n >= 64; n_tiles > 1: 8 rows, 2+ stages) "
-                                 f"or the prefill tile (block_m 96 or 64, block_n 128 or 256, "
-                                 f"4 loader warps, no n_tiles), k_order 'subnormal', no "
-                                 f"split_k, stream_k, max_registers or columns_first; got {self}")
+                                 f"block_k 256, block_n >= 64; n_tiles > 1 or stream_k: 8 rows, "
+                                 f"n_tiles: 2+ stages) or the prefill tile (block_m 96 or 64, "
+                                 f"block_n 128 or 256, 4 loader warps, no n_tiles or stream_k), "
+                                 f"k_order 'subnormal', no split_k, max_registers or "
+                                 f"columns_first; got {self}")
             return
         if self.backend != "triton":
             raise ValueError(f"backend must be 'triton' or 'gluon', got {self.backend!r}")

@@ -1052,7 +1052,8 @@ def moe_gemm_indexed_triton(
             x, w_packed, w_scale, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
             out, num_routes=num_routes, grid_m=grid_m, block_n=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, gated=gated,
-            blocked=w_order == "blocked", n_tiles=cfg.n_tiles, block_m=cfg.block_m)
+            blocked=w_order == "blocked", n_tiles=cfg.n_tiles, block_m=cfg.block_m,
+            stream_k=cfg.stream_k)
     if cfg.backend == "gluon":
         from .gluon_prefill import moe_gemm_indexed_gluon_prefill
 

@@ -127,6 +127,17 @@ def test_sm90_build_is_an_mma_sync_loop_without_spills(gated, block_m):
 
 
 @pytest.mark.usefixtures("real_triton_compile")
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "silu_mul"])
+def test_sm90_build_of_the_stream_k_tile(gated):
+    """The stream-K form under the cap for 4 programs an SM (128 registers): the K loop twice
+    (whole tiles, then the shared wave: 64 ``HMMA.16816``), atomics for cut tiles, no spills."""
+    sass = _sass(_compile_sm90(gated, stream_k=4))
+    assert sass.count("HMMA.16816.F32.BF16") == 64
+    assert "RED" in sass or "ATOM" in sass
+    assert "STL" not in sass and "LDL" not in sass
+
+
+@pytest.mark.usefixtures("real_triton_compile")
 def test_sm90_build_of_the_column_looping_tile():
     """The column-looping form (K = 256): one tile's 32 ``HMMA.16816`` per loop trip, X read
     from shared memory once (before the loop), no spills."""
@@ -286,6 +297,33 @@ def test_gluon_tile_split_k_and_register_cap(split_k, max_registers, activation)
 
     # 7 K steps: splits of 4 + 3 and 3 + 3 + 1
     check_indexed_tile(8, 6, 256, 1792, 9, 4, 4, activation, launch=launch)
+
+
+# _num_sms() = 1, so stream_k is the program count: 9 routes of top-4 over 4 local experts of
+# 6 make 5-9 live 8-row blocks, 10-18 tiles of 2 columns, 7 K steps; 3 and 5 programs cut tiles
+# (a thin last wave), 4 may not, 64 takes every tile whole
+@pytest.mark.parametrize("programs", [3, 4, 5, 64])
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@needs_sm90
+def test_gluon_tile_stream_k(programs, activation, monkeypatch):
+    """Stream-K gives the reference's results, leaves its partials and counts zero for the
+    next launch, and replays the same from a CUDA graph."""
+    from chordq.kernels import triton_w4a16
+    from chordq.kernels.gluon_w4a16 import moe_gemm_indexed_gluon
+
+    monkeypatch.setattr(triton_w4a16, "_num_sms", lambda device: 1)
+
+    def launch(x, w, s, aligned, out):
+        run = lambda: moe_gemm_indexed_gluon(  # noqa: E731
+            x, w, s, *aligned, 4, out.clone(), num_routes=out.shape[0],
+            grid_m=aligned[1].numel(), block_n=128, num_warps=4, num_stages=2,
+            gated=activation is not None, blocked=True, stream_k=programs)
+        check_graph_capture(run)
+        return run()
+
+    check_indexed_tile(8, 6, 256, 1792, 9, 4, 4, activation, launch=launch)
+    for parts, arrivals in triton_w4a16._STREAM_K_BUFFERS.values():
+        assert not parts.any() and not arrivals.any()
 
 
 @pytest.mark.parametrize("w_order", ["blocked", "subnormal"])

@@ -4,11 +4,11 @@ timed with interleaved CUDA graphs. ``gluon_decode.py`` and ``gluon_prefill.py``
 
 ``run(rows, only, out_json, contestants)``: for each ``(layout, proj, tokens)`` in ``rows``
 (``only``: a space-separated list of token counts, or ``layout/tokens`` rows, to keep; or
-empty), seeded weights (once per shape) and routing; the contestants "shipped"
-(``choose_row_tiles`` without the Gluon row tiles: the Triton tiles, and since session 22 the
-Gluon tile on 64-row blocks where ``choose_config`` takes it) and "humming" (when
-``GLUON_HUMMING`` names the folder of its wheel); then
-``contestants(ctx, add)`` registers the lab's: ``add(name, block, launch, act=None)`` with
+empty), seeded weights (once per shape) and routing (seed ``LAB_SEED``, default 0); the
+contestants "shipped" (``choose_row_tiles`` without the Gluon row tiles: the Triton tiles,
+and since session 22 the Gluon tile on 64-row blocks where ``choose_config`` takes it) and
+"humming" (when ``GLUON_HUMMING`` names the folder of its wheel); then ``contestants(ctx,
+add)`` registers the lab's: ``add(name, block, launch, act=None)`` with
 ``launch(out, aligned, blocks)`` on ``moe_align_block_size(topk, block)``'s buffers.
 """
 
@@ -51,7 +51,7 @@ def run(rows, only: str, out_json: str, contestants, extra_weights=None) -> list
     """See the module docstring; ``extra_weights(w, scales)`` adds lab-order copies of the
     weights to ``ctx.extra``. Writes and returns one result per contestant and row."""
     os.makedirs(os.path.dirname(out_json) or ".", exist_ok=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(int(os.environ.get("LAB_SEED", "0")))
     weights, results, layers = {}, [], {}
     wheel = os.environ.get("GLUON_HUMMING")
     if wheel:
