@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
            "gluon_decode_applies", "gluon_prefill_applies", "GLUON_DECODE_TILE",
-           "choose_gluon_n_tiles",
+           "choose_gluon_n_tiles", "choose_gluon_stream_k", "GLUON_STREAM_K_PER_SM",
            "GLUON_PREFILL_TILE", "GLUON_PREFILL_TILE_64", "gluon_prefill_64_applies"]
 
 GROUP_SIZE = 32
@@ -511,6 +511,29 @@ def choose_gluon_n_tiles(blocks: int, rows_per_expert: float, n: int, k: int,
         if tiles % per == 0 and max(1, blocks) * (tiles // per) >= 1.5 * num_sms:
             return per
     return 1
+
+
+# programs an SM of the stream-K Gluon decode tile: its register cap (128) fits 4, as the plain
+# tile's 102 registers do
+GLUON_STREAM_K_PER_SM = 4
+
+
+def choose_gluon_stream_k(blocks: int, n: int, k: int, gated: bool, num_sms: int) -> int:
+    """``stream_k`` for the K-looping Gluon 8-row tile: ``GLUON_STREAM_K_PER_SM`` where the
+    expected grid (``blocks`` busy 8-row blocks times column tiles) fills at least 90% of a
+    wave of program slots, else 0 (one program a tile). A grid that lands just past a whole
+    number of waves leaves a few tiles to run alone in the next; the stream-K tile shares
+    that thin wave out by K steps, and below one wave it runs one tile a program as the plain
+    tile does, so the draws on either side of the step (TP8 gate_up T=20: ~131 experts x 4
+    tiles against 528 slots) both come out even.
+
+    Measured on the H200 (variants 50-51, ``scripts/kernel_lab/decode_split.py``, same
+    process): TP8 gate_up T=20 took 69.5 µs on a draw that fit one wave and 91.3 µs on one
+    that spilled into a second; Humming, stream-K there, 68.1 and 74.1.
+    """
+    slots = GLUON_STREAM_K_PER_SM * num_sms
+    tiles = max(1, blocks) * n // (GLUON_DECODE_TILE.block_n // (2 if gated else 1))
+    return GLUON_STREAM_K_PER_SM if k > 256 and tiles >= 0.9 * slots else 0
 
 
 def choose_split_k(cfg: W4A16Config, tiles: int, k: int, num_sms: int) -> int:

@@ -59,7 +59,8 @@ from chordq.layout import K_BLOCK, ROW_BLOCK
 from . import triton_config
 from .triton_config import (GLUON_DECODE_ROWS, GROUP_SIZE, K_ORDER_OF, K_ORDERS,
                             SUBNORMAL_W_ORDERS, W_ORDERS, W4A16Config, choose_config,
-                            choose_gluon_n_tiles, choose_n_tiles, choose_split_k)
+                            choose_gluon_n_tiles, choose_gluon_stream_k, choose_n_tiles,
+                            choose_split_k)
 
 __all__ = [
     "indexed_config",
@@ -965,10 +966,13 @@ def indexed_config(
         touched = triton_config.touched_experts(num_experts, num_routes)
         busy_blocks = round(touched) * max(1, round(num_routes / num_experts / cfg.block_m))
         busy_blocks = min(busy_blocks, live_blocks or busy_blocks)
-        if cfg.backend == "gluon" and cfg.block_m == 8 and not gated:
-            per = choose_gluon_n_tiles(busy_blocks, num_routes / num_experts, n, k,
-                                       _num_sms(device))
-            return cfg if per == 1 else dataclasses.replace(cfg, n_tiles=per)
+        if cfg.backend == "gluon" and cfg.block_m == 8:
+            per = 1 if gated else choose_gluon_n_tiles(busy_blocks, num_routes / num_experts,
+                                                       n, k, _num_sms(device))
+            if per > 1:
+                return dataclasses.replace(cfg, n_tiles=per)
+            per_sm = choose_gluon_stream_k(busy_blocks, n, k, gated, _num_sms(device))
+            return dataclasses.replace(cfg, stream_k=per_sm) if per_sm else cfg
     if cfg.backend == "gluon":
         return cfg
     if config is None:

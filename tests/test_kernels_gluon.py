@@ -83,6 +83,20 @@ def test_choose_gluon_n_tiles(blocks, rows, n, k, want):
     assert choose_gluon_n_tiles(blocks, rows, n, k, 132) == want
 
 
+@pytest.mark.parametrize("blocks, n, k, gated, want", [
+    (59, 512, 7168, False, 0),  # TP8 gate_up T=8: 236 tiles, under a wave of 528 slots
+    (131, 512, 7168, False, 4),  # T=20: 524 tiles, at the step
+    (131, 256, 7168, True, 4),  # fused: 64 output columns a tile, the same grid
+    (35, 7168, 2048, False, 4),  # EP8 down T=8: 1960 tiles, 3.7 waves
+    (7, 4096, 7168, False, 0),  # EP8 gate_up T=1: 224 tiles
+    (131, 7168, 256, False, 0),  # one K step: the column-looping tile's
+])
+def test_choose_gluon_stream_k(blocks, n, k, gated, want):
+    from chordq.kernels.triton_config import choose_gluon_stream_k
+
+    assert choose_gluon_stream_k(blocks, n, k, gated, 132) == want
+
+
 def test_gluon_decode_applies_needs_a_full_grid():
     assert gluon_decode_applies(1 / 6, 4096, 7168, 48, 132)  # 8 experts x 32 tiles = 256
     assert not gluon_decode_applies(1 / 6, 4096, 7168, 48, 264)  # same grid, twice the SMs
