@@ -210,8 +210,9 @@ def _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, exp
 
 @gluon.jit
 def _store_out(acc, out_ptr, sorted_ids_ptr, pid_b, n0, num_routes, stride_om,
-               OUT_N: gl.constexpr, BM: gl.constexpr, GATED: gl.constexpr):
-    """Store a finished ``C^T`` tile as BF16 rows of ``out`` (GATED: SiLU(gate) * up)."""
+               OUT_N: gl.constexpr, BM: gl.constexpr, GATED: gl.constexpr, keep=True):
+    """Store a finished ``C^T`` tile as BF16 rows of ``out`` (GATED: SiLU(gate) * up);
+    ``keep``: a scalar mask, False stores nothing."""
     if GATED:  # rows [0, BN/2) gate, [BN/2, BN) up: the same threads, a register apart
         gate, up = gl.split(gl.permute(gl.reshape(acc, [2, OUT_N, BM]), [1, 2, 0]))
         gate = gate.to(gl.bfloat16).to(gl.float32)
@@ -224,7 +225,7 @@ def _store_out(acc, out_ptr, sorted_ids_ptr, pid_b, n0, num_routes, stride_om,
     ocol = gl.arange(0, BM, layout=gl.SliceLayout(0, o_l))
     oroutes = gl.load(sorted_ids_ptr + pid_b * BM + ocol)
     o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n0 + orow)[:, None]
-    gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :])
+    gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :] & keep)
 
 
 @gluon.jit
@@ -294,22 +295,23 @@ def _decode_piece(tile, first, num, steps, slot, col_tiles, x_ptr, w_ptr, s_ptr,
         acc = _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, expert,
                           pid_b, n0, first, num, N, K, num_routes, stride_xm, TOP_K, BN, GATED,
                           STAGES, BLOCKED, BM, num_warps)
-        if num == steps:
-            _store_out(acc, out_ptr, sorted_ids_ptr, pid_b, n0, num_routes, stride_om, OUT_N,
-                       BM, GATED)
-        else:
-            prow = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-            pcol = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
-            part = parts_ptr + slot * stride_p + prow[:, None] * BM + pcol[None, :]
-            gl.atomic_add(part, acc, sem="relaxed")
-            _barrier()  # every thread's partial is in before the count
-            if gl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel") == 1:
-                zeros = gl.zeros([BN, BM], gl.float32, mma)
-                acc = gl.atomic_add(part, zeros, sem="relaxed")  # read where the adds went
-                gl.store(part, zeros)
-                gl.store(arrivals_ptr + slot, 0)
-                _store_out(acc, out_ptr, sorted_ids_ptr, pid_b, n0, num_routes, stride_om,
-                           OUT_N, BM, GATED)
+        # Masks, not branches, pick what happens: Triton 3.6 fails to lower this kernel with
+        # a store under either branch of a run-time condition next to another store
+        cut = num < steps
+        prow = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        pcol = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        part = parts_ptr + slot * stride_p + prow[:, None] * BM + pcol[None, :]
+        zeros = gl.zeros([BN, BM], gl.int32, mma)
+        gl.atomic_add(part, acc, mask=zeros + cut.to(gl.int32) != 0, sem="relaxed")
+        _barrier()  # every thread's partial is in before the count
+        second = cut & (gl.atomic_add(arrivals_ptr + slot, 1, mask=cut, sem="acq_rel") == 1)
+        last = zeros + second.to(gl.int32) != 0
+        # read where the adds went, and leave zeros for the next launch
+        total = gl.atomic_add(part, zeros.to(gl.float32), mask=last, sem="relaxed")
+        gl.store(part, zeros.to(gl.float32), mask=last)
+        gl.store(arrivals_ptr + slot, 0, mask=second)
+        _store_out(gl.where(cut, total, acc), out_ptr, sorted_ids_ptr, pid_b, n0, num_routes,
+                   stride_om, OUT_N, BM, GATED, (not cut) | second)
 
 
 @gluon.jit
