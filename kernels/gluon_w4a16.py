@@ -445,9 +445,10 @@ def _w4a16_decode_cols_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expe
 
 
 def stream_k_registers(per_sm: int, num_warps: int) -> int:
-    """The register cap that fits ``per_sm`` programs of the stream-K tile an SM: ptxas takes
-    134 uncapped (3 an SM), 106 under a 128 cap, without spilling."""
-    return min(255, 65536 // (per_sm * num_warps * 32) // 8 * 8)
+    """The register cap that fits ``per_sm`` programs of the stream-K tile an SM, up to 4
+    (more wait for a slot): ptxas takes 136 uncapped (3 an SM), 106 under a 128 cap, without
+    spilling."""
+    return min(255, 65536 // (min(per_sm, 4) * num_warps * 32) // 8 * 8)
 
 
 def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor,

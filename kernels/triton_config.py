@@ -520,20 +520,23 @@ GLUON_STREAM_K_PER_SM = 4
 
 def choose_gluon_stream_k(blocks: int, n: int, k: int, gated: bool, num_sms: int) -> int:
     """``stream_k`` for the K-looping Gluon 8-row tile: ``GLUON_STREAM_K_PER_SM`` where the
-    expected grid (``blocks`` busy 8-row blocks times column tiles) fills at least 90% of a
-    wave of program slots, else 0 (one program a tile). A grid that lands just past a whole
-    number of waves leaves a few tiles to run alone in the next; the stream-K tile shares
-    that thin wave out by K steps, and below one wave it runs one tile a program as the plain
-    tile does, so the draws on either side of the step (TP8 gate_up T=20: ~131 experts x 4
-    tiles against 528 slots) both come out even.
+    expected grid (``blocks`` busy 8-row blocks times column tiles) lies at the one-wave step,
+    0.9 to 1.25 waves of program slots; else 0 (one program a tile). There a draw that
+    touches a few more experts than the mean leaves a few tiles to run alone in a second wave;
+    the stream-K tile shares that thin wave out by K steps, and on a draw that fits one wave it
+    runs one tile a program as the plain tile does.
 
-    Measured on the H200 (variants 50-51, ``scripts/kernel_lab/decode_split.py``, same
-    process): TP8 gate_up T=20 took 69.5 µs on a draw that fit one wave and 91.3 µs on one
-    that spilled into a second; Humming, stream-K there, 68.1 and 74.1.
+    Measured (variants 50-51, ``scripts/kernel_lab/decode_split.py``, same process), TP8
+    gate_up T=20 (~131 experts x 4 tiles against 528 slots): on a draw that spilled, the plain
+    tile 91.3 µs against Humming's 74.1 (H200) and 115.5 against 98.1 (H100), stream-K 103.4
+    (H100: 0.90 of plain); on one that fit, 92.3 plain, 93.4 stream-K, 90.5 Humming (H100).
+    Further from the step it does not pay: TP8 T=32 (1.4 waves) 137.4 against 137.1 µs, EP8
+    gate_up and down T=8-32 (2-4 waves) 0.97-1.07 of the plain tile's time (H100).
     """
     slots = GLUON_STREAM_K_PER_SM * num_sms
     tiles = max(1, blocks) * n // (GLUON_DECODE_TILE.block_n // (2 if gated else 1))
-    return GLUON_STREAM_K_PER_SM if k > 256 and tiles >= 0.9 * slots else 0
+    step = k > 256 and 0.9 * slots <= tiles <= 1.25 * slots
+    return GLUON_STREAM_K_PER_SM if step else 0
 
 
 def choose_split_k(cfg: W4A16Config, tiles: int, k: int, num_sms: int) -> int:

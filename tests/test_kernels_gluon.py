@@ -87,7 +87,8 @@ def test_choose_gluon_n_tiles(blocks, rows, n, k, want):
     (59, 512, 7168, False, 0),  # TP8 gate_up T=8: 236 tiles, under a wave of 528 slots
     (131, 512, 7168, False, 4),  # T=20: 524 tiles, at the step
     (131, 256, 7168, True, 4),  # fused: 64 output columns a tile, the same grid
-    (35, 7168, 2048, False, 4),  # EP8 down T=8: 1960 tiles, 3.7 waves
+    (187, 512, 7168, False, 0),  # T=32: 748 tiles, 1.4 waves
+    (35, 7168, 2048, False, 0),  # EP8 down T=8: 1960 tiles, 3.7 waves
     (7, 4096, 7168, False, 0),  # EP8 gate_up T=1: 224 tiles
     (131, 7168, 256, False, 0),  # one K step: the column-looping tile's
 ])
