@@ -465,9 +465,10 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
     ``blocked``: the weights are in ``chordq.layout.row_blocks`` (``w_order="blocked"``).
     ``n_tiles`` > 1: each program loops over that many column tiles (K = 256, no
     activation: ``_w4a16_decode_cols_kernel``). ``split_k`` > 1: FP32 partials over shares
-    of the K steps, summed and finished by ``triton_w4a16._split_k_reduce_kernel``;
-    ``max_registers``: Triton's ``maxnreg`` (lab options, not in the heuristics).
-    ``stream_k`` > 0: that many persistent programs an SM (``_w4a16_decode_sk_kernel``)."""
+    of the K steps, summed and finished by ``triton_w4a16._split_k_reduce_kernel``
+    (``triton_config.choose_gluon_split_k``); ``max_registers``: Triton's ``maxnreg`` (a lab
+    option). ``stream_k`` > 0: that many persistent programs an SM
+    (``_w4a16_decode_sk_kernel``, ``triton_config.choose_gluon_stream_k``)."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
     out_n = block_n // 2 if gated else block_n

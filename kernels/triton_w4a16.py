@@ -59,8 +59,8 @@ from chordq.layout import K_BLOCK, ROW_BLOCK
 from . import triton_config
 from .triton_config import (GLUON_DECODE_ROWS, GROUP_SIZE, K_ORDER_OF, K_ORDERS,
                             SUBNORMAL_W_ORDERS, W_ORDERS, W4A16Config, choose_config,
-                            choose_gluon_n_tiles, choose_gluon_stream_k, choose_n_tiles,
-                            choose_split_k)
+                            choose_gluon_n_tiles, choose_gluon_split_k,
+                            choose_gluon_stream_k, choose_n_tiles, choose_split_k)
 
 __all__ = [
     "indexed_config",
@@ -972,7 +972,10 @@ def indexed_config(
             if per > 1:
                 return dataclasses.replace(cfg, n_tiles=per)
             per_sm = choose_gluon_stream_k(busy_blocks, n, k, gated, _num_sms(device))
-            return dataclasses.replace(cfg, stream_k=per_sm) if per_sm else cfg
+            if per_sm:
+                return dataclasses.replace(cfg, stream_k=per_sm)
+            split = choose_gluon_split_k(busy_blocks, n, k, gated, _num_sms(device))
+            return dataclasses.replace(cfg, split_k=split) if split > 1 else cfg
     if cfg.backend == "gluon":
         return cfg
     if config is None:
@@ -1057,7 +1060,7 @@ def moe_gemm_indexed_triton(
             out, num_routes=num_routes, grid_m=grid_m, block_n=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, gated=gated,
             blocked=w_order == "blocked", n_tiles=cfg.n_tiles, block_m=cfg.block_m,
-            stream_k=cfg.stream_k)
+            stream_k=cfg.stream_k, split_k=cfg.split_k)
     if cfg.backend == "gluon":
         from .gluon_prefill import moe_gemm_indexed_gluon_prefill
 

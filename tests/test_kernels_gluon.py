@@ -98,6 +98,19 @@ def test_choose_gluon_stream_k(blocks, n, k, gated, want):
     assert choose_gluon_stream_k(blocks, n, k, gated, 132) == want
 
 
+@pytest.mark.parametrize("blocks, n, k, gated, want", [
+    (187, 512, 7168, False, 2),  # TP8 gate_up T=32: 748 tiles, 1.4 waves
+    (187, 256, 7168, True, 2),  # fused
+    (131, 512, 7168, False, 1),  # T=20: the stream-K step
+    (360, 512, 7168, False, 1),  # T=128: 2.7 waves
+    (187, 512, 1024, False, 1),  # 4 K steps: too few to share
+])
+def test_choose_gluon_split_k(blocks, n, k, gated, want):
+    from chordq.kernels.triton_config import choose_gluon_split_k
+
+    assert choose_gluon_split_k(blocks, n, k, gated, 132) == want
+
+
 def test_gluon_decode_applies_needs_a_full_grid():
     assert gluon_decode_applies(1 / 6, 4096, 7168, 48, 132)  # 8 experts x 32 tiles = 256
     assert not gluon_decode_applies(1 / 6, 4096, 7168, 48, 264)  # same grid, twice the SMs
@@ -312,6 +325,15 @@ def test_gluon_tile_split_k_and_register_cap(split_k, max_registers, activation)
 
     # 7 K steps: splits of 4 + 3 and 3 + 3 + 1
     check_indexed_tile(8, 6, 256, 1792, 9, 4, 4, activation, launch=launch)
+
+
+@pytest.mark.parametrize("shared", [{"split_k": 2}, {"stream_k": 4}], ids=["S2", "K4"])
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@needs_sm90
+def test_gluon_configs_sharing_k_through_the_indexed_entry(shared, activation):
+    """``moe_gemm_indexed_triton`` hands a gluon config's split_k / stream_k to the tile."""
+    config = W4A16Config(8, 128, 256, 4, 2, k_order="subnormal", backend="gluon", **shared)
+    check_indexed_tile(8, 6, 256, 1792, 9, 4, 4, activation, config=config)
 
 
 # _num_sms() = 1, so stream_k is the program count: 9 routes of top-4 over 4 local experts of
