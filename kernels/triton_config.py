@@ -520,6 +520,13 @@ def choose_gluon_n_tiles(blocks: int, rows_per_expert: float, n: int, k: int,
 GLUON_STREAM_K_PER_SM = 4
 
 
+def gluon_decode_waves(blocks: int, n: int, gated: bool, num_sms: int) -> float:
+    """The 8-row Gluon tile's expected grid (``blocks`` busy 8-row blocks times column tiles)
+    in waves of ``GLUON_STREAM_K_PER_SM`` programs an SM."""
+    tiles = max(1, blocks) * n // (GLUON_DECODE_TILE.block_n // (2 if gated else 1))
+    return tiles / (GLUON_STREAM_K_PER_SM * num_sms)
+
+
 def choose_gluon_stream_k(blocks: int, n: int, k: int, gated: bool, num_sms: int) -> int:
     """``stream_k`` for the K-looping Gluon 8-row tile: ``GLUON_STREAM_K_PER_SM`` where the
     expected grid (``blocks`` busy 8-row blocks times column tiles) lies at the one-wave step,
@@ -535,9 +542,7 @@ def choose_gluon_stream_k(blocks: int, n: int, k: int, gated: bool, num_sms: int
     Further from the step it does not pay: TP8 T=32 (1.4 waves) 137.4 against 137.1 µs, EP8
     gate_up and down T=8-32 (2-4 waves) 0.97-1.07 of the plain tile's time (H100).
     """
-    slots = GLUON_STREAM_K_PER_SM * num_sms
-    tiles = max(1, blocks) * n // (GLUON_DECODE_TILE.block_n // (2 if gated else 1))
-    step = k > 256 and 0.9 * slots <= tiles <= 1.25 * slots
+    step = k > 256 and 0.9 <= gluon_decode_waves(blocks, n, gated, num_sms) <= 1.25
     return GLUON_STREAM_K_PER_SM if step else 0
 
 
@@ -551,9 +556,8 @@ def choose_gluon_split_k(blocks: int, n: int, k: int, gated: bool, num_sms: int)
     On the H100 3 splits took 0.98 of the plain tile's time on two draws, stream-K 1.00.
     EP8's grids (2+ waves) lost 1-10% to splits.
     """
-    slots = GLUON_STREAM_K_PER_SM * num_sms
-    tiles = max(1, blocks) * n // (GLUON_DECODE_TILE.block_n // (2 if gated else 1))
-    return 2 if k >= 8 * 256 and 1.25 * slots < tiles <= 1.6 * slots else 1
+    waves = gluon_decode_waves(blocks, n, gated, num_sms)
+    return 2 if k >= 8 * 256 and 1.25 < waves <= 1.6 else 1
 
 
 def choose_split_k(cfg: W4A16Config, tiles: int, k: int, num_sms: int) -> int:

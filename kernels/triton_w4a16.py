@@ -967,14 +967,15 @@ def indexed_config(
         busy_blocks = round(touched) * max(1, round(num_routes / num_experts / cfg.block_m))
         busy_blocks = min(busy_blocks, live_blocks or busy_blocks)
         if cfg.backend == "gluon" and cfg.block_m == 8:
+            sms = _num_sms(device)
             per = 1 if gated else choose_gluon_n_tiles(busy_blocks, num_routes / num_experts,
-                                                       n, k, _num_sms(device))
+                                                       n, k, sms)
             if per > 1:
                 return dataclasses.replace(cfg, n_tiles=per)
-            per_sm = choose_gluon_stream_k(busy_blocks, n, k, gated, _num_sms(device))
+            per_sm = choose_gluon_stream_k(busy_blocks, n, k, gated, sms)
             if per_sm:
                 return dataclasses.replace(cfg, stream_k=per_sm)
-            split = choose_gluon_split_k(busy_blocks, n, k, gated, _num_sms(device))
+            split = choose_gluon_split_k(busy_blocks, n, k, gated, sms)
             return dataclasses.replace(cfg, split_k=split) if split > 1 else cfg
     if cfg.backend == "gluon":
         return cfg

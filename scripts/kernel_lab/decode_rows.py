@@ -9,7 +9,8 @@ sm_90 build: 118 / 170 registers, no spills). Whether ``mma.sync`` at 4 fragment
 keeps up with wgmma is what this measures.
 
 ``OUT=/tmp/lab GLUON_HUMMING=.whl [GLUON_T="128"] [TILES="8,2 32,3 64,2,128,8"] python3
-scripts/kernel_lab/decode_rows.py`` (``block_m,stages[,block_n,warps]``; default 128 weight rows, 4 warps).
+scripts/kernel_lab/decode_rows.py`` (``block_m,stages[,block_n,warps]``; default 128 weight
+rows, 4 warps).
 """
 
 from __future__ import annotations
