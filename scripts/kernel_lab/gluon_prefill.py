@@ -277,6 +277,9 @@ def parse_pp(text: str) -> tuple[int, int, int, int, int]:
 PP_COPIES = [("pp", moe_gemm_indexed_gluon_prefill)] + [
     (m, importlib.import_module(f"chordq.kernels.{m}").moe_gemm_indexed_gluon_prefill)
     for m in os.environ.get("PREFILL_AB", "").split()]
+# PREFILL_BLOCKED=1: the ping-pong tiles on row-blocked words (chordq.layout.row_blocks), as
+# the bench and prepare_weights run them (copies named *c8k excepted: prefill_bounds.py)
+BLOCKED = os.environ.get("PREFILL_BLOCKED") == "1"
 PP_TILES = [parse_pp(t) for t in os.environ.get("PREFILL_PP", ",".join(
     str(v) for v in (GLUON_PREFILL_TILE.block_m, GLUON_PREFILL_TILE.block_k,
                      GLUON_PREFILL_TILE.num_stages))).split()]
@@ -333,11 +336,12 @@ def gpu_main() -> None:
                 add(f"{name} {bm}x{bk} s{stages}" + " o" * order + " p" * persist
                     + (" fused" if gated else ""), bm,
                     lambda out, a, nb, t=(bm, bk, stages, order, persist), gated=gated,
-                    launcher=launcher: launcher(
-                        c.x, c.wf, c.sf, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb,
-                        block_m=t[0], block_n=128 if gated else 256, block_k=t[1],
-                        num_stages=t[2], gated=gated, order=bool(t[3]),
-                        persistent=bool(t[4])),
+                    launcher=launcher, blocked=BLOCKED and not name.endswith("c8k"): launcher(
+                        c.x, *(c.extra if blocked else (c.wf, c.sf)), *a, c.p.top_k, out,
+                        num_routes=c.rows, grid_m=nb, block_m=t[0],
+                        block_n=128 if gated else 256, block_k=t[1], num_stages=t[2],
+                        gated=gated, order=bool(t[3]), persistent=bool(t[4]),
+                        blocked=blocked),
                     act="silu_mul" if gated else None)
 
         for sizes in MIXED:  # the shipped tiles' launches over moe_align_mixed pieces
@@ -351,7 +355,7 @@ def gpu_main() -> None:
 
     contest.run(ROWS, os.environ.get("PREFILL_T", ""),
                 os.path.join(os.environ.get("OUT", "/tmp/lab"), "gluon_prefill.json"),
-                contestants)
+                contestants, extra_weights=contest.blocked_weights if BLOCKED else None)
 
 
 def profile_main(proj: str, tokens: int, tile: str) -> None:
