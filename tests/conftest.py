@@ -15,6 +15,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
+
+# The repo root holds kernels/ (installed as chordq.kernels). With the root on sys.path
+# (`python -m pytest`, PYTHONPATH=$PWD) that directory shadows the Hugging Face `kernels`
+# package, which transformers >= 5.25 imports when compressed-tensors loads it, and the import
+# fails. Import the installed package first, without the root, so that sys.modules holds it.
+_saved_path = list(sys.path)
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
+try:
+    import kernels  # noqa: F401
+except ImportError:  # not installed: nothing to shadow
+    pass
+finally:
+    sys.path[:] = _saved_path
+
 sys.path.insert(0, str(REPO / "scripts"))
 
 from make_tiny_kimi import FLAVOURS, make_tiny_kimi  # noqa: E402
