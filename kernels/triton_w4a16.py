@@ -953,8 +953,9 @@ def indexed_config(
     :param n: output features (after ``silu_mul``: N_w / 2)
     :param live_blocks: the alignment's block count (``expert_ids.numel()``): it caps the
         busy-block estimate where the alignment is trimmed to its live blocks, as
-        ``align.moe_align_mixed``'s remainder pieces are (a few experts' last rows); an
-        untrimmed alignment holds more blocks than the estimate, so it changes nothing there
+        ``align.moe_align_mixed``'s remainder pieces are (a few experts' last rows; those are
+        not split); an untrimmed alignment holds more blocks than the estimate, so it changes
+        nothing there
     """
     device = torch.device(device)
     gated = _gated(activation)
@@ -964,8 +965,8 @@ def indexed_config(
     if config is None:
         # experts hit by num_routes uniform draws, times blocks per expert
         touched = triton_config.touched_experts(num_experts, num_routes)
-        busy_blocks = round(touched) * max(1, round(num_routes / num_experts / cfg.block_m))
-        busy_blocks = min(busy_blocks, live_blocks or busy_blocks)
+        estimate = round(touched) * max(1, round(num_routes / num_experts / cfg.block_m))
+        busy_blocks = min(estimate, live_blocks or estimate)
         if cfg.backend == "gluon" and cfg.block_m == 8:
             sms = _num_sms(device)
             per = 1 if gated else choose_gluon_n_tiles(busy_blocks, num_routes / num_experts,
@@ -983,8 +984,13 @@ def indexed_config(
         if cfg.n_tiles > 1:
             per = choose_n_tiles(cfg, busy_blocks, n, _num_sms(device))
             return dataclasses.replace(cfg, n_tiles=per)
-        split = choose_split_k(cfg, busy_blocks * triton.cdiv(n, cfg.block_n), k,
-                               _num_sms(device))
+        # A piece trimmed to fewer blocks than the estimate is a mixed alignment's remainder
+        # (a few experts' last rows, launched after the main piece): unsplit, it took 0.95-0.98
+        # of 2 or 4 splits' time at EP8 gate_up T=512 (4-7 blocks of 32 column tiles, 4 draws,
+        # H100, scripts/kernel_lab/remainder_split.py, docs/performance.md §24)
+        remainder = live_blocks is not None and live_blocks < estimate
+        split = 1 if remainder else choose_split_k(
+            cfg, busy_blocks * triton.cdiv(n, cfg.block_n), k, _num_sms(device))
     steps = k // cfg.block_k
     split = triton.cdiv(steps, triton.cdiv(steps, split))  # no empty split
     return cfg if split == cfg.split_k else dataclasses.replace(cfg, split_k=split)

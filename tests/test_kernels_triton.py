@@ -418,6 +418,17 @@ def test_split_k_heuristic_fills_thin_grids_only():
     assert choose_split_k(W4A16Config(16, 128, 128), tiles=8 * 56, k=256, num_sms=132) == 1
 
 
+def test_remainder_pieces_are_not_split():
+    # 8 routes over 48 experts: ~8 one-block experts, a thin grid that the heuristic splits;
+    # an alignment trimmed to fewer blocks than that (a mixed alignment's remainder) is not
+    def split(live_blocks):
+        return triton_w4a16.indexed_config(8, 48, 4096, 7168, 32, w_order="subnormal",
+                                           device="cpu", live_blocks=live_blocks).split_k
+
+    assert split(None) > 1 and split(1000) == split(None)
+    assert split(1) == 1
+
+
 # ----------------------------------------------------------------------------- grouped
 
 
