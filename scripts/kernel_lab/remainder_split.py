@@ -7,6 +7,10 @@ blocks (96 tiles) took 4 splits in run S's seed 0 and the piece of 5-6 blocks (1
 1.2-1.5 an SM, 28 K steps each) none in seed 1, where the row was 1.14 of Humming against
 1.06. Here the mixed launch with the remainder piece at 1, 2 and 4 splits, per routing draw.
 
+Measured (H100, session 29, docs/performance.md §24): unsplit on all four draws (4-7
+remainder blocks), 0.95-0.98 of 2 or 4 splits' time, plain and fused; shipped
+(``triton_w4a16.indexed_config`` splits no remainder piece).
+
 ``OUT=/tmp/lab GLUON_HUMMING=.whl LAB_SEED=1 python3 scripts/kernel_lab/remainder_split.py``
 """
 
