@@ -116,9 +116,11 @@ EDITS = {
 }
 
 
-def main() -> None:
+def copies() -> dict[str, str]:
+    """Each copy's source, from today's ``kernels/gluon_prefill.py``."""
     with open(os.path.join(ROOT, "gluon_prefill.py")) as f:
         src = f.read()
+    out = {}
     for name, edits in EDITS.items():
         text = src.replace("from .", "from chordq.kernels.")
         for old, new in edits:
@@ -129,10 +131,15 @@ def main() -> None:
             if text.count(old) != 1:
                 raise SystemExit(f"{name}: edit does not match once: {old.strip()[:70]}")
             text = text.replace(old, new)
+        out[name] = text
+    return out
+
+
+def main() -> None:
+    for name, text in copies().items():
         with open(os.path.join(ROOT, name + ".py"), "w") as f:
             f.write(text)
         print("wrote", name)
-
 
 if __name__ == "__main__":
     main()

@@ -165,7 +165,8 @@ EDITS = [
 ]
 
 
-def write() -> str:
+def source() -> str:
+    """The wide copy's source, from today's ``kernels/gluon_prefill.py``."""
     with open(os.path.join(ROOT, "gluon_prefill.py")) as f:
         text = f.read()
     i, j = text.index("@gluon.jit\ndef _mma_steps("), text.index("@gluon.jit\ndef _store(")
@@ -174,11 +175,14 @@ def write() -> str:
         if old != "from ." and text.count(old) != 1:
             raise SystemExit(f"edit does not match once: {old.strip()[:70]}")
         text = text.replace(old, new)
+    return text
+
+
+def write() -> str:
     path = os.path.join(ROOT, "gluon_prefill_wide.py")
     with open(path, "w") as f:
-        f.write(text)
+        f.write(source())
     return path
-
 
 def sass() -> None:
     """The sm_90 build (the installed Triton; Triton 3.6 on PYTHONPATH for the device's):
