@@ -38,6 +38,7 @@ bench runs the tile; the ``*c8k`` copies take the unblocked words).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "kernels")
@@ -46,7 +47,18 @@ ACC0 = "    acc0 = gl.zeros([ROWS, BT0], gl.float32, mma0)\n"
 MMA0 = ("        acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0, "
         "is_async=True)\n")
 NOX = ("                _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)\n", "")
-CUT = (None, None)  # main(): the consumers' loop body cut to waiting for a slot and freeing it
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """An edit's old text given by its ends: from ``head`` up to ``tail`` (not included)."""
+    head: str
+    tail: str
+
+
+WAIT = "        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)\n"
+# the consumers' loop body cut to waiting for a slot and freeing it
+CUT = (Span(WAIT, "        mbarrier.arrive(empty.index(slot))\n"), WAIT)
 # unblocked words read as if each step's 128 rows x 16 words were one contiguous 8 KB piece
 C8K = [("        _tma_load(desc, [row, col], bar, dst)\n",
         "        if INNER == 32:\n"
@@ -116,24 +128,26 @@ EDITS = {
 }
 
 
+def edited(edits, name: str) -> str:
+    """Today's ``kernels/gluon_prefill.py`` (imports made absolute) with ``edits``, pairs of
+    old text (a string or a ``Span``) and new; each old text must occur exactly once."""
+    with open(os.path.join(ROOT, "gluon_prefill.py")) as f:
+        text = f.read().replace("from .", "from chordq.kernels.")
+    for old, new in edits:
+        if isinstance(old, Span):
+            if text.count(old.head) != 1:
+                raise SystemExit(f"{name}: edit does not match once: {old.head.strip()[:70]}")
+            i = text.index(old.head)
+            old = text[i:text.index(old.tail, i)]
+        if text.count(old) != 1:
+            raise SystemExit(f"{name}: edit does not match once: {old.strip()[:70]}")
+        text = text.replace(old, new)
+    return text
+
+
 def copies() -> dict[str, str]:
     """Each copy's source, from today's ``kernels/gluon_prefill.py``."""
-    with open(os.path.join(ROOT, "gluon_prefill.py")) as f:
-        src = f.read()
-    out = {}
-    for name, edits in EDITS.items():
-        text = src.replace("from .", "from chordq.kernels.")
-        for old, new in edits:
-            if old is None:  # CUT
-                head = "        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)\n"
-                tail = "        mbarrier.arrive(empty.index(slot))\n"
-                old, new = text[text.index(head) + len(head):text.index(tail)], ""
-            if text.count(old) != 1:
-                raise SystemExit(f"{name}: edit does not match once: {old.strip()[:70]}")
-            text = text.replace(old, new)
-        out[name] = text
-    return out
-
+    return {name: edited(edits, name) for name, edits in EDITS.items()}
 
 def main() -> None:
     for name, text in copies().items():

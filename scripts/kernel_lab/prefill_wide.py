@@ -28,23 +28,13 @@ from __future__ import annotations
 import os
 import sys
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "kernels")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prefill_bounds import ROOT, Span, edited  # noqa: E402
+
 WIDE_STAGES = 3  # 56 KB a slot at 128-deep steps: 4 slots (262 KB) do not fit
 
-LOADER_OLD = '''\
-                if i % 2 == 0:
-                    mbarrier.expect(ready.index(slot), 2 * WGR * (BK // 2 + BK // 8))
-                    _tma_rows(s_desc, w_row0, n0, N, i * (BK // 32), ready.index(slot),
-                              s0_bufs.index(slot), GATED, BLOCKED, kb, 8)
-                    _tma_rows(s_desc, w_row0, n0 + OUT_W, N, i * (BK // 32), ready.index(slot),
-                              s1_bufs.index(slot), GATED, BLOCKED, kb, 8)
-                else:
-                    mbarrier.expect(ready.index(slot), 2 * WGR * (BK // 2))
-                _tma_rows(w_desc, w_row0, n0, N, i * (BK // 8), ready.index(slot),
-                          w0_bufs.index(slot), GATED, BLOCKED, kb, 32)
-                _tma_rows(w_desc, w_row0, n0 + OUT_W, N, i * (BK // 8), ready.index(slot),
-                          w1_bufs.index(slot), GATED, BLOCKED, kb, 32)
-'''
+LOADER_OLD = Span("                if i % 2 == 0:\n                    mbarrier.expect",
+                  "                _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)\n")
 LOADER_NEW = '''\
                 if i % 2 == 0:
                     mbarrier.expect(ready.index(slot), 4 * WGR * (BK // 2 + BK // 8))
@@ -148,6 +138,7 @@ CHECK_NEW = f'''    if gated or split_rows(block_m)[1]:
     block_n, num_stages = 4 * WGR.value, min(num_stages, {WIDE_STAGES})
 '''
 EDITS = [
+    (Span("@gluon.jit\ndef _mma_steps(", "@gluon.jit\ndef _store("), MMA_STEPS_NEW),
     (LOADER_OLD, LOADER_NEW),
     ("    OUT_W: gl.constexpr = WGR // 2 if GATED else WGR  # output columns per warpgroup\n",
      "    OUT_W: gl.constexpr = 2 * WGR  # output columns per warpgroup (lab: plain only)\n"),
@@ -161,22 +152,12 @@ EDITS = [
      "    s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * WGR, BK // 16], s_sl)\n"),
     (STORE_OLD, STORE_NEW),
     (CHECK_OLD, CHECK_NEW),
-    ("from .", "from chordq.kernels."),
 ]
 
 
 def source() -> str:
     """The wide copy's source, from today's ``kernels/gluon_prefill.py``."""
-    with open(os.path.join(ROOT, "gluon_prefill.py")) as f:
-        text = f.read()
-    i, j = text.index("@gluon.jit\ndef _mma_steps("), text.index("@gluon.jit\ndef _store(")
-    text = text[:i] + MMA_STEPS_NEW + text[j:]
-    for old, new in EDITS:
-        if old != "from ." and text.count(old) != 1:
-            raise SystemExit(f"edit does not match once: {old.strip()[:70]}")
-        text = text.replace(old, new)
-    return text
-
+    return edited(EDITS, "gluon_prefill_wide")
 
 def write() -> str:
     path = os.path.join(ROOT, "gluon_prefill_wide.py")
@@ -189,7 +170,6 @@ def sass() -> None:
     shared memory, HGMMA count, spills, and ptxas's verdict."""
     import importlib
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import sass as S
 
     mod = importlib.import_module("chordq.kernels.gluon_prefill_wide")
