@@ -38,6 +38,19 @@ fills the next tile's first slots while the consumers finish and store the last 
 one program per tile, each tile's first fill and last stores overlapped nothing: EP8 down has
 16 K steps a tile).
 
+The *wide* form (``halves=2``, 64-row blocks, ``triton_config.GLUON_PREFILL_TILE_64_WIDE``):
+each consumer owns two 128-row halves (with ``silu_mul`` 128 gate rows and their 128 up rows),
+512 weight rows a tile, so a slot's gathered X rows serve twice the weight rows; each half is a
+turn and retires its wgmmas before the next; 3 ring slots (56 KB each). At 43 rows an expert
+X is 22% of the copies (kernel_notes variant 52): the wide form took 0.92-0.94 of the 256-row
+form's time on EP8 and TP8 gate_up (variant 55), where its half as many tiles take as few
+rounds (``triton_config.choose_gluon_prefill_wide``).
+
+``stream_k`` (opt-in, variant 56): the persistent programs share a last round under 80% full
+and the round before it by K step pairs (``_schedule``); a tile cut in two sums its pieces in
+FP32 (``triton_w4a16``'s stream-K buffers, the second piece to arrive stores). Correct, and
+slower where measured but one row (kernel_notes variant 56), so no heuristic picks it.
+
 Each step retires its own wgmmas before the next step's dequantization: wgmma reads its
 register operand while in flight, and ptxas reuses those registers for the next step's
 values (seen on the H200: wrong results with 128 token rows and one wgmma group left in
@@ -73,11 +86,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gluon_w4a16 import _cp_async, _dequant, _operand_layouts, compile_kernel_sm90
-from .triton_config import GLUON_PREFILL_TILE
-from .triton_w4a16 import _num_sms
+from .gluon_w4a16 import _barrier, _cp_async, _dequant, _operand_layouts, compile_kernel_sm90
+from .triton_config import GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64_WIDE
+from .triton_w4a16 import _num_sms, _stream_k_buffers
 
-__all__ = ["compile_sm90", "moe_gemm_indexed_gluon_prefill", "split_rows"]
+__all__ = ["compile_sm90", "halves_of", "moe_gemm_indexed_gluon_prefill", "split_rows"]
 
 WGR = gl.constexpr(128)  # weight rows per consumer warpgroup
 # Registers per consumer thread by block rows; the loader gets the rest of 168 x 12 warps (40).
@@ -96,6 +109,9 @@ ORDERED = True
 # tile. H200, same process (session 19): EP8 down T=512-8192 0.89-0.94 of the time per tile,
 # gate_up 0.94-1.00 (T=512: 1.00), TP8 gate_up T=8192 0.96.
 PERSISTENT = True
+# Ring slots of the wide form (two 128-row halves a consumer, 512 weight rows a tile, 64-row
+# blocks): 56 KB a slot at 128-deep steps, so 3 (205 KB); 4 (262 KB) exceed an SM's 227 KB.
+WIDE_STAGES = GLUON_PREFILL_TILE_64_WIDE.num_stages
 
 
 def split_rows(block_m: int) -> tuple[int, int]:
@@ -208,58 +224,151 @@ def _tile_count(ntp_ptr, grid_n, grid_m, BT: gl.constexpr):
 
 
 @gluon.jit
+def _schedule(tiles, SK: gl.constexpr):
+    """``(programs, whole, shared)``: the programs that work, the tiles they take whole
+    (``t = program, program + programs, ..``) and, after them, the tiles they share by K steps
+    (SK, stream-K: a last round under 80% full and the full round before it, laid end to end
+    and cut into one equal range of step pairs a program, ``triton_w4a16``'s schedule)."""
+    if SK:
+        programs = gl.maximum(gl.minimum(gl.num_programs(0), tiles), 1)
+        tail = tiles % programs
+        shared = gl.where((tail > 0) & (tail * 5 < programs * 4),
+                          gl.minimum(tiles, tail + programs), 0)
+    else:
+        programs = gl.num_programs(0)
+        shared = 0
+    return programs, tiles - shared, shared
+
+
+@gluon.jit
+def _sk_range(programs, shared, num_steps):
+    """This program's range of the shared tiles' step pairs, ``[it, end)`` (empty past
+    ``programs``), and its count of whole tiles (``_schedule``)."""
+    pid = gl.program_id(0)
+    total = shared.to(gl.int64) * (num_steps // 2)
+    it = pid * total // programs
+    end = gl.where(pid < programs, (pid + 1) * total // programs, it)
+    return it, end
+
+
+@gluon.jit
+def _sk_piece(j, mine, it, end, whole, programs, num_steps):
+    """Stream-K: this program's next piece, ``(tile, first step, steps, whole?)``: its
+    ``j``-th whole tile while ``j < mine``, then the shared tiles' steps from pair ``it`` (up
+    to ``end``, within one tile). One loop walks both (one copy of the consumer's K loop)."""
+    pairs = num_steps // 2
+    tile = whole + (it // pairs).to(gl.int32)
+    first = (it - (tile - whole).to(gl.int64) * pairs).to(gl.int32)
+    num = gl.minimum(pairs - first, (end - it).to(gl.int32))
+    own = j < mine
+    return (gl.where(own, gl.program_id(0) + j * programs, tile), gl.where(own, 0, 2 * first),
+            gl.where(own, num_steps, 2 * num), own)
+
+
+@gluon.jit
+def _whole_count(whole, programs):
+    """Whole tiles of this program: ``t = program, program + programs, .. < whole``."""
+    return gl.maximum(whole - gl.program_id(0) + programs - 1, 0) // programs
+
+
+@gluon.jit
+def _load_piece(t, first, num, g, w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready,
+                empty, x_ptr, w_desc, s_desc, sorted_ids_ptr, expert_ids_ptr, grid_n, kb, apart,
+                OUT_W: gl.constexpr, N, num_routes, stride_xm, TOP_K: gl.constexpr,
+                BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr,
+                STAGES: gl.constexpr, BLOCKED: gl.constexpr, HALVES: gl.constexpr,
+                num_warps: gl.constexpr):
+    """Steps ``first .. first + num`` (``first`` even) of tile ``t`` into the ring from
+    position ``g``; returns the position after them."""
+    SPLIT: gl.constexpr = GATED and HALVES == 1
+    BT: gl.constexpr = BT0 + BT1
+    expert = gl.load(expert_ids_ptr + t // grid_n)
+    if expert >= 0:
+        n0 = (t % grid_n) * (2 * OUT_W)
+        row0 = (t // grid_n) * BT
+        w_row0 = expert * (2 * N if GATED else N)
+        x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0,
+                          BK, num_warps)
+        if BT1 > 0:
+            x1_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0 + BT0, num_routes, stride_xm,
+                              TOP_K, BT1, BK, num_warps)
+        for i in range(first, first + num):
+            slot = g % STAGES
+            mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)  # both are done
+            # words (every step) and scales (every other step, for two) by TMA, the
+            # expect being the slot's one arrival besides the loader threads'; the
+            # gathered X rows by cp.async
+            if i % 2 == 0:
+                mbarrier.expect(ready.index(slot), 2 * HALVES * WGR * (BK // 2 + BK // 8))
+                for h in gl.static_range(HALVES):
+                    _tma_rows(s_desc, w_row0, n0 + h * apart, N, i * (BK // 32),
+                              ready.index(slot), s0_bufs.index(slot).slice(h * WGR, WGR),
+                              SPLIT, BLOCKED, kb, 8)
+                    _tma_rows(s_desc, w_row0, n0 + OUT_W + h * apart, N, i * (BK // 32),
+                              ready.index(slot), s1_bufs.index(slot).slice(h * WGR, WGR),
+                              SPLIT, BLOCKED, kb, 8)
+            else:
+                mbarrier.expect(ready.index(slot), 2 * HALVES * WGR * (BK // 2))
+            for h in gl.static_range(HALVES):
+                _tma_rows(w_desc, w_row0, n0 + h * apart, N, i * (BK // 8), ready.index(slot),
+                          w0_bufs.index(slot).slice(h * WGR, WGR), SPLIT, BLOCKED, kb, 32)
+                _tma_rows(w_desc, w_row0, n0 + OUT_W + h * apart, N, i * (BK // 8),
+                          ready.index(slot), w1_bufs.index(slot).slice(h * WGR, WGR), SPLIT,
+                          BLOCKED, kb, 32)
+            _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)
+            if BT1 > 0:
+                _cp_async(x1_bufs.index(slot), x1_ptrs + i * BK)
+            async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+            g += 1
+    return g
+
+
+@gluon.jit
 def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
             x_ptr, w_desc, s_desc, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
-            OUT_W, N, num_routes, stride_xm, TOP_K: gl.constexpr, BK: gl.constexpr,
-            BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
-            BLOCKED: gl.constexpr, num_warps: gl.constexpr):
-    """Fills the ring for every tile of this program in turn, so the next tile's first slots
-    fill while the consumers finish and store the last one."""
-    BT: gl.constexpr = BT0 + BT1
+            OUT_W: gl.constexpr, N, num_routes, stride_xm, TOP_K: gl.constexpr,
+            BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr,
+            STAGES: gl.constexpr, BLOCKED: gl.constexpr, HALVES: gl.constexpr,
+            SK: gl.constexpr, num_warps: gl.constexpr):
+    """Fills the ring for every piece of this program in turn (``_schedule``), so the next
+    tile's first slots fill while the consumers finish and store the last one. A consumer's
+    rows come as HALVES boxes of WGR rows: the wide form's (HALVES 2) 128 rows apart, or with
+    GATED 128 gate rows and their 128 up rows, N apart; the 256-row form's (HALVES 1) with
+    GATED as 64 gate rows and their up rows (``_tma_rows``, SPLIT)."""
+    if GATED and HALVES == 2:
+        apart = N
+    else:
+        apart: gl.constexpr = OUT_W // HALVES
     kb = num_steps * BK // 256  # row-block pieces a row (BLOCKED)
+    pid = gl.program_id(0)
+    programs, whole, shared = _schedule(_tile_count(ntp_ptr, grid_n, grid_m, BT0 + BT1), SK)
     g = 0  # ring position: steps loaded by this program so far
-    for t in range(gl.program_id(0), _tile_count(ntp_ptr, grid_n, grid_m, BT),
-                   gl.num_programs(0)):
-        expert = gl.load(expert_ids_ptr + t // grid_n)
-        if expert >= 0:
-            n0 = (t % grid_n) * (2 * OUT_W)
-            row0 = (t // grid_n) * BT
-            w_row0 = expert * (2 * N if GATED else N)
-            x0_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K, BT0,
-                              BK, num_warps)
-            if BT1 > 0:
-                x1_ptrs = _x_ptrs(x_ptr, sorted_ids_ptr, row0 + BT0, num_routes, stride_xm,
-                                  TOP_K, BT1, BK, num_warps)
-            for i in range(num_steps):
-                slot = g % STAGES
-                mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)  # both are done
-                # words (every step) and scales (every other step, for two) by TMA, the
-                # expect being the slot's one arrival besides the loader threads'; the
-                # gathered X rows by cp.async
-                if i % 2 == 0:
-                    mbarrier.expect(ready.index(slot), 2 * WGR * (BK // 2 + BK // 8))
-                    _tma_rows(s_desc, w_row0, n0, N, i * (BK // 32), ready.index(slot),
-                              s0_bufs.index(slot), GATED, BLOCKED, kb, 8)
-                    _tma_rows(s_desc, w_row0, n0 + OUT_W, N, i * (BK // 32), ready.index(slot),
-                              s1_bufs.index(slot), GATED, BLOCKED, kb, 8)
-                else:
-                    mbarrier.expect(ready.index(slot), 2 * WGR * (BK // 2))
-                _tma_rows(w_desc, w_row0, n0, N, i * (BK // 8), ready.index(slot),
-                          w0_bufs.index(slot), GATED, BLOCKED, kb, 32)
-                _tma_rows(w_desc, w_row0, n0 + OUT_W, N, i * (BK // 8), ready.index(slot),
-                          w1_bufs.index(slot), GATED, BLOCKED, kb, 32)
-                _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)
-                if BT1 > 0:
-                    _cp_async(x1_bufs.index(slot), x1_ptrs + i * BK)
-                async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-                g += 1
+    if SK:
+        it, end = _sk_range(programs, shared, num_steps)
+        mine = _whole_count(whole, programs)
+        j = 0
+        while (j < mine) | (it < end):
+            t, first, num, own = _sk_piece(j, mine, it, end, whole, programs, num_steps)
+            g = _load_piece(t, first, num, g, w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs,
+                            x1_bufs, ready, empty, x_ptr, w_desc, s_desc, sorted_ids_ptr,
+                            expert_ids_ptr, grid_n, kb, apart, OUT_W, N, num_routes, stride_xm,
+                            TOP_K, BK, BT0, BT1, GATED, STAGES, BLOCKED, HALVES, num_warps)
+            j += own.to(gl.int32)
+            it += gl.where(own, 0, num // 2)
+    else:
+        for t in range(pid, whole, programs):
+            g = _load_piece(t, 0, num_steps, g, w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs,
+                            x1_bufs, ready, empty, x_ptr, w_desc, s_desc, sorted_ids_ptr,
+                            expert_ids_ptr, grid_n, kb, apart, OUT_W, N, num_routes,
+                            stride_xm, TOP_K, BK, BT0, BT1, GATED, STAGES, BLOCKED, HALVES,
+                            num_warps)
 
 
 @gluon.jit
 def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
                ROWS: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr,
                STAGES: gl.constexpr, num_warps: gl.constexpr, turn, ME: gl.constexpr,
-               PAIRS: gl.constexpr = True):
+               PAIRS: gl.constexpr = True, HALVES: gl.constexpr = 1):
     """A consumer's K loop over ROWS weight rows: ``[ROWS, BT0]`` and ``[ROWS, BT1]``
     accumulators; each step retires its own wgmmas (module docstring) and frees its slot.
     ``g0``: the ring position of the first step (steps this program consumed before).
@@ -268,7 +377,10 @@ def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
     (``turn``: two mbarriers, each consumer arrives on the other's after issuing), so one's
     dequantization overlaps the other's wgmmas instead of both issuing at once; -1: no turns.
     ``PAIRS``: an even step's slot holds its own and the next step's scales (``_loader``),
-    else (the kernel lab's tiles) each slot its own step's."""
+    else (the kernel lab's tiles) each slot its own step's.
+    ``HALVES`` 2 (``BT1 == 0``): the consumer owns 2 ROWS weight rows, a slot's two ROWS-row
+    halves, a ``[ROWS, BT0]`` accumulator each (returned in that order); each half is a turn
+    and retires its wgmmas before the next half is dequantized; the slot is freed after both."""
     w_l: gl.constexpr = _operand_layouts(ROWS, BK, num_warps)[0]
     s3_l: gl.constexpr = _operand_layouts(ROWS, BK, num_warps)[1]
     mma0: gl.constexpr = _mma_layout(BT0, num_warps)
@@ -278,40 +390,60 @@ def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
         mma1: gl.constexpr = _mma_layout(BT1, num_warps)
         a1_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma1, k_width=2)
         acc1 = gl.zeros([ROWS, BT1], gl.float32, mma1)
+    if HALVES == 2:
+        acc1 = gl.zeros([ROWS, BT0], gl.float32, mma0)
     s_l: gl.constexpr = gl.SliceLayout(2, s3_l)
     G: gl.constexpr = BK // 32
     s_next = gl.zeros([ROWS, G], gl.bfloat16, s_l)
+    if HALVES == 2:
+        s_next1 = gl.zeros([ROWS, G], gl.bfloat16, s_l)
     gl.assume(num_steps > 0)  # no zero-trip path: ptxas keeps the wgmmas of a step together
     for i in range(num_steps):
         g = g0 + i
         slot = g % STAGES
         mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-        w = w_bufs.index(slot).load(w_l)
-        if PAIRS:  # an even step's slot holds this step's and the next one's scales
-            if i % 2 == 0:
-                s = s_bufs.index(slot).slice(0, G, dim=1).load(s_l)
-                s_next = s_bufs.index(slot).slice(G, G, dim=1).load(s_l)
+        for c in gl.static_range(HALVES):
+            w = w_bufs.index(slot).slice(c * ROWS, ROWS).load(w_l)
+            sb = s_bufs.index(slot).slice(c * ROWS, ROWS)
+            if PAIRS:  # an even step's slot holds this step's and the next one's scales
+                if i % 2 == 0:
+                    s = sb.slice(0, G, dim=1).load(s_l)
+                    if c == 0:
+                        s_next = sb.slice(G, G, dim=1).load(s_l)
+                    else:
+                        s_next1 = sb.slice(G, G, dim=1).load(s_l)
+                else:
+                    if c == 0:
+                        s = s_next
+                    else:
+                        s = s_next1
             else:
-                s = s_next
-        else:
-            s = s_bufs.index(slot).load(s_l)
-        a = _dequant(w, s, s3_l, ROWS, BK)
-        fence_async_shared()  # X arrived by cp.async (generic proxy); wgmma reads it (async)
-        if ME >= 0:  # consumer 0 goes first: step g waits for consumer 1's step g - 1
-            mbarrier.wait(turn.index(ME), (g & 1) ^ (1 - ME))
-        a0 = gl.convert_layout(a, a0_l, assert_trivial=True)
-        acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0, is_async=True)
-        if BT1 > 0:
-            a1 = gl.convert_layout(a, a1_l, assert_trivial=True)
-            acc1 = warpgroup_mma(a1, x1_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
-        if ME >= 0:
-            mbarrier.arrive(turn.index(1 - ME))
-        if BT1 > 0:
-            acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
-        else:
-            acc0 = warpgroup_mma_wait(0, deps=[acc0])
+                s = sb.load(s_l)
+            a = _dequant(w, s, s3_l, ROWS, BK)
+            fence_async_shared()  # X arrived by cp.async (generic proxy); wgmma reads it (async)
+            if ME >= 0:  # consumer 0 goes first: turn h waits for consumer 1's turn h - 1
+                mbarrier.wait(turn.index(ME), ((HALVES * g + c) & 1) ^ (1 - ME))
+            a0 = gl.convert_layout(a, a0_l, assert_trivial=True)
+            if c == 0:
+                acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0,
+                                     is_async=True)
+                if BT1 > 0:
+                    a1 = gl.convert_layout(a, a1_l, assert_trivial=True)
+                    acc1 = warpgroup_mma(a1, x1_bufs.index(slot).permute((1, 0)), acc1,
+                                         is_async=True)
+            else:
+                acc1 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc1,
+                                     is_async=True)
+            if ME >= 0:
+                mbarrier.arrive(turn.index(1 - ME))
+            if c == 0 and BT1 > 0:
+                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+            elif c == 0:
+                acc0 = warpgroup_mma_wait(0, deps=[acc0])
+            else:
+                acc1 = warpgroup_mma_wait(0, deps=[acc1])
         mbarrier.arrive(empty.index(slot))
-    if BT1 > 0:
+    if BT1 > 0 or HALVES == 2:
         return acc0, acc1
     else:
         return acc0, acc0
@@ -319,9 +451,10 @@ def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
 
 @gluon.jit
 def _store(acc, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, BN: gl.constexpr,
-           BT: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
+           BT: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr, ok=True):
     """``out[route, n_out + n] = acc[n, r]`` for ``acc [BN, BT]`` (SiLU(gate) * up with GATED:
-    rows ``[0, BN/2)`` gate, ``[BN/2, BN)`` the matching up rows), 16-byte stores."""
+    rows ``[0, BN/2)`` gate, ``[BN/2, BN)`` the matching up rows), 16-byte stores, where
+    ``ok``."""
     OUT_N: gl.constexpr = BN // 2 if GATED else BN
     tn: gl.constexpr = min(32, OUT_N // 8)
     if GATED:
@@ -335,54 +468,168 @@ def _store(acc, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, BN:
     else:
         e2: gl.constexpr = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, num_warps], [0, 1])
         res = gl.convert_layout(acc, e2)
+    _store_rows(res, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, OUT_N, BT, ok)
+
+
+@gluon.jit
+def _store_silu_mul(gate, up, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om,
+                    BN: gl.constexpr, BT: gl.constexpr, num_warps: gl.constexpr, ok=True):
+    """``out[route, n_out + n] = SiLU(gate[n, r]) * up[n, r]`` for the wide form's halves
+    (``[BN, BT]`` each, the same layout), gate and up rounded to BF16 first, as ``_store``."""
+    g = gate.to(gl.bfloat16).to(gl.float32)
+    u = up.to(gl.bfloat16).to(gl.float32)
+    tn: gl.constexpr = min(32, BN // 8)
+    e2: gl.constexpr = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, num_warps], [0, 1])
+    res = gl.convert_layout(g / (1.0 + gl.exp(-g)) * u, e2)
+    _store_rows(res, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, BN, BT, ok)
+
+
+@gluon.jit
+def _store_rows(res, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om,
+                OUT_N: gl.constexpr, BT: gl.constexpr, ok):
+    """``out[route, n_out + n] = res[n, r]`` (BF16) for the block's routed rows, where ``ok``
+    (a stream-K piece stores only if it completes its tile)."""
     o_l: gl.constexpr = res.type.layout
     orow = gl.arange(0, OUT_N, layout=gl.SliceLayout(1, o_l))
     ocol = gl.arange(0, BT, layout=gl.SliceLayout(0, o_l))
     oroutes = gl.load(sorted_ids_ptr + row0 + ocol)
     o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n_out + orow)[:, None]
-    gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :])
+    gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :] & ok)
+
+
+@gluon.jit
+def _sk_parts(acc, part):
+    """Pointers of a ``[R, C]`` accumulator's partial sums at ``part`` (row-major), in the
+    accumulator's layout, and zeros in it."""
+    layout: gl.constexpr = acc.type.layout
+    R: gl.constexpr = acc.type.shape[0]
+    C: gl.constexpr = acc.type.shape[1]
+    r = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    return part + r[:, None] * C + c[None, :], gl.zeros([R, C], gl.int32, layout)
+
+
+@gluon.jit
+def _sk_add(acc, part, cut):
+    """A cut tile's piece adds its partial sums into ``part`` (zeros before its two pieces)."""
+    ptrs, zeros = _sk_parts(acc, part)
+    gl.atomic_add(ptrs, acc, mask=zeros + cut.to(gl.int32) != 0, sem="relaxed")
+
+
+@gluon.jit
+def _sk_take(acc, part, cut, second):
+    """The second piece of a cut tile to arrive reads both pieces' sums and leaves zeros; a
+    whole tile keeps ``acc``."""
+    ptrs, zeros = _sk_parts(acc, part)
+    last = zeros + second.to(gl.int32) != 0
+    total = gl.atomic_add(ptrs, zeros.to(gl.float32), mask=last, sem="relaxed")
+    gl.store(ptrs, zeros.to(gl.float32), mask=last)
+    return gl.where(cut, total, acc)
+
+
+@gluon.jit
+def _consume_piece(t, first, num, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn,
+                   num_steps, out_ptr, sorted_ids_ptr, expert_ids_ptr, parts_ptr, arrivals_ptr,
+                   stride_p, grid_n, n_off, OUT_W: gl.constexpr, num_routes, stride_om,
+                   BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr,
+                   GATED: gl.constexpr, STAGES: gl.constexpr, ME: gl.constexpr,
+                   HALVES: gl.constexpr, SK: gl.constexpr):
+    """Steps ``first .. first + num`` of tile ``t`` from ring position ``g``, then the stores
+    (SK: a cut tile's two pieces add their sums in ``parts_ptr`` at the boundary's slot, one
+    per consumer, and the second to arrive stores; masks, not branches, as in
+    ``gluon_w4a16._decode_piece``). Returns the ring position after them."""
+    BT: gl.constexpr = BT0 + BT1
+    TWO: gl.constexpr = BT1 > 0 or HALVES == 2  # a second accumulator
+    if gl.load(expert_ids_ptr + t // grid_n) >= 0:
+        acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g,
+                                num, WGR, BK, BT0, BT1, STAGES, 4, turn, ME, HALVES=HALVES)
+        g += num
+        n_out = (t % grid_n) * (2 * OUT_W) + n_off
+        row0 = (t // grid_n) * BT
+        if SK:
+            cut = num < num_steps
+            pid = gl.program_id(0)
+            slot = gl.where(first > 0, pid, pid + 1) * 2 + n_off // OUT_W  # consumer 0 or 1
+            part = parts_ptr + slot.to(gl.int64) * stride_p
+            _sk_add(acc0, part, cut)
+            if TWO:
+                _sk_add(acc1, part + WGR * BT0, cut)
+            _barrier()  # the consumer's partial sums are in before its count (its warpgroup)
+            second = cut & (gl.atomic_add(arrivals_ptr + slot, 1, mask=cut, sem="acq_rel") == 1)
+            acc0 = _sk_take(acc0, part, cut, second)
+            if TWO:
+                acc1 = _sk_take(acc1, part + WGR * BT0, cut, second)
+            gl.store(arrivals_ptr + slot, 0, mask=second)
+            ok = (not cut) | second
+        else:
+            ok = True
+        if HALVES == 2 and GATED:  # the halves are gate rows and their up rows
+            _store_silu_mul(acc0, acc1, out_ptr, sorted_ids_ptr, row0, n_out, num_routes,
+                            stride_om, WGR, BT0, 4, ok)
+        else:
+            _store(acc0, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, WGR,
+                   BT0, GATED, 4, ok)
+        if BT1 > 0:
+            _store(acc1, out_ptr, sorted_ids_ptr, row0 + BT0, n_out, num_routes, stride_om,
+                   WGR, BT1, GATED, 4, ok)
+        if HALVES == 2 and not GATED:
+            _store(acc1, out_ptr, sorted_ids_ptr, row0, n_out + WGR, num_routes, stride_om,
+                   WGR, BT0, GATED, 4, ok)
+    return g
 
 
 @gluon.jit
 def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
-              sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m, n_off, OUT_W,
-              num_routes, stride_om, BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr,
-              GATED: gl.constexpr, STAGES: gl.constexpr, ME: gl.constexpr):
-    """One warpgroup's rows (output columns ``n_off..`` of each tile) for every tile of this
-    program, in the loader's order."""
-    BT: gl.constexpr = BT0 + BT1
+              sorted_ids_ptr, expert_ids_ptr, ntp_ptr, parts_ptr, arrivals_ptr, stride_p,
+              grid_n, grid_m, n_off, OUT_W: gl.constexpr, num_routes, stride_om,
+              BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr,
+              STAGES: gl.constexpr, ME: gl.constexpr, HALVES: gl.constexpr,
+              SK: gl.constexpr):
+    """One warpgroup's rows (output columns ``n_off..`` of each tile, OUT_W of them) for every
+    piece of this program, in the loader's order (``_schedule``)."""
+    pid = gl.program_id(0)
+    programs, whole, shared = _schedule(_tile_count(ntp_ptr, grid_n, grid_m, BT0 + BT1), SK)
     g = 0
-    for t in range(gl.program_id(0), _tile_count(ntp_ptr, grid_n, grid_m, BT),
-                   gl.num_programs(0)):
-        if gl.load(expert_ids_ptr + t // grid_n) >= 0:
-            acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g,
-                                    num_steps, WGR, BK, BT0, BT1, STAGES, 4, turn, ME)
-            g += num_steps
-            n_out = (t % grid_n) * (2 * OUT_W) + n_off
-            row0 = (t // grid_n) * BT
-            _store(acc0, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, WGR, BT0,
-                   GATED, 4)
-            if BT1 > 0:
-                _store(acc1, out_ptr, sorted_ids_ptr, row0 + BT0, n_out, num_routes, stride_om,
-                       WGR, BT1, GATED, 4)
+    if SK:
+        it, end = _sk_range(programs, shared, num_steps)
+        mine = _whole_count(whole, programs)
+        j = 0
+        while (j < mine) | (it < end):
+            t, first, num, own = _sk_piece(j, mine, it, end, whole, programs, num_steps)
+            g = _consume_piece(t, first, num, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready,
+                               empty, turn, num_steps, out_ptr, sorted_ids_ptr, expert_ids_ptr,
+                               parts_ptr, arrivals_ptr, stride_p, grid_n, n_off, OUT_W,
+                               num_routes, stride_om, BK, BT0, BT1, GATED, STAGES, ME, HALVES,
+                               SK)
+            j += own.to(gl.int32)
+            it += gl.where(own, 0, num // 2)
+    else:
+        for t in range(pid, whole, programs):
+            g = _consume_piece(t, 0, num_steps, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready,
+                               empty, turn, num_steps, out_ptr, sorted_ids_ptr, expert_ids_ptr,
+                               parts_ptr, arrivals_ptr, stride_p, grid_n, n_off, OUT_W,
+                               num_routes, stride_om, BK, BT0, BT1, GATED, STAGES, ME, HALVES,
+                               SK)
 
 
 @gluon.jit
 def _w4a16_prefill_kernel(x_ptr, w_desc, s_desc, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
-                          N, K, num_routes, stride_xm, stride_om, grid_n, grid_m,
-                          TOP_K: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr,
-                          BT1: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
-                          CREGS: gl.constexpr, ORDER: gl.constexpr, BLOCKED: gl.constexpr,
+                          parts_ptr, arrivals_ptr, N, K, num_routes, stride_xm, stride_om,
+                          stride_p, grid_n, grid_m, TOP_K: gl.constexpr, BK: gl.constexpr,
+                          BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr,
+                          STAGES: gl.constexpr, CREGS: gl.constexpr, ORDER: gl.constexpr,
+                          BLOCKED: gl.constexpr, HALVES: gl.constexpr, SK: gl.constexpr,
                           num_warps: gl.constexpr):
     """Tiles ``t = program, program + programs, ..``: (``BT0 + BT1``-row block ``t //
-    grid_n``, 256-weight-row tile ``t % grid_n``), each over all of K."""
-    OUT_W: gl.constexpr = WGR // 2 if GATED else WGR  # output columns per warpgroup
+    grid_n``, ``HALVES x 256``-weight-row tile ``t % grid_n``), each over all of K."""
+    # output columns per warpgroup
+    OUT_W: gl.constexpr = HALVES * (WGR // 2 if GATED else WGR)
     w_sl: gl.constexpr = w_desc.layout
     s_sl: gl.constexpr = s_desc.layout
-    w0_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
-    w1_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, WGR, BK // 8], w_sl)
-    s0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 16], s_sl)
-    s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, WGR, BK // 16], s_sl)
+    w0_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, HALVES * WGR, BK // 8], w_sl)
+    w1_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, HALVES * WGR, BK // 8], w_sl)
+    s0_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HALVES * WGR, BK // 16], s_sl)
+    s1_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HALVES * WGR, BK // 16], s_sl)
     x0_bufs, x1_bufs = _x_ring(STAGES, BT0, BT1, BK)
     ready, empty = _ring_barriers(STAGES, 32 * num_warps + 1, 2)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -393,36 +640,58 @@ def _w4a16_prefill_kernel(x_ptr, w_desc, s_desc, out_ptr, sorted_ids_ptr, expert
         (_loader, (w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, num_steps,
                    x_ptr, w_desc, s_desc, sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m,
                    OUT_W, N, num_routes, stride_xm, TOP_K, BK, BT0, BT1, GATED, STAGES,
-                   BLOCKED, num_warps)),
+                   BLOCKED, HALVES, SK, num_warps)),
         (_consumer, (w0_bufs, s0_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
-                     sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m, 0, OUT_W,
-                     num_routes, stride_om, BK, BT0, BT1, GATED, STAGES,
-                     0 if ORDER else -1)),
+                     sorted_ids_ptr, expert_ids_ptr, ntp_ptr, parts_ptr, arrivals_ptr,
+                     stride_p, grid_n, grid_m, 0, OUT_W, num_routes, stride_om, BK, BT0, BT1,
+                     GATED, STAGES, 0 if ORDER else -1, HALVES, SK)),
         (_consumer, (w1_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
-                     sorted_ids_ptr, expert_ids_ptr, ntp_ptr, grid_n, grid_m, OUT_W, OUT_W,
-                     num_routes, stride_om, BK, BT0, BT1, GATED, STAGES,
-                     1 if ORDER else -1)),
+                     sorted_ids_ptr, expert_ids_ptr, ntp_ptr, parts_ptr, arrivals_ptr,
+                     stride_p, grid_n, grid_m, OUT_W, OUT_W, num_routes, stride_om, BK, BT0,
+                     BT1, GATED, STAGES, 1 if ORDER else -1, HALVES, SK)),
     ], [4, 4], [CREGS, CREGS])
 
 
 _MAXNREG = 168  # 12 warps (loader + two consumer warpgroups), one CTA per SM: 65536 / 384
 
 
+def halves_of(block_n: int, gated: bool) -> int:
+    """A consumer's 128-row halves for a tile of ``block_n`` output columns: 1 (256 weight
+    rows a tile), or 2 (512, the wide form); else ValueError."""
+    one = WGR.value if gated else 2 * WGR.value  # output columns of a 256-weight-row tile
+    if block_n not in (one, 2 * one):
+        raise ValueError(f"the Gluon prefill tile computes 256 or 512 weight rows: block_n "
+                         f"{one} or {2 * one}, got {block_n}")
+    return block_n // one
+
+
 def _launch_options(top_k: int, block_m: int, block_k: int, num_stages: int,
-                    gated: bool, order: bool = ORDERED, blocked: bool = False) -> dict:
+                    gated: bool, order: bool = ORDERED, blocked: bool = False,
+                    halves: int = 1, stream_k: bool = False) -> dict:
     bt0, bt1 = split_rows(block_m)
+    if halves == 2 and (bt1 or num_stages > WIDE_STAGES):
+        raise ValueError(f"the wide Gluon prefill tile (512 weight rows) takes power-of-two "
+                         f"row blocks and at most {WIDE_STAGES} ring slots, got block_m "
+                         f"{block_m}, num_stages {num_stages}")
     return {"TOP_K": top_k, "BK": block_k, "BT0": bt0, "BT1": bt1, "GATED": gated,
             "STAGES": num_stages, "CREGS": CONSUMER_REGS.get(block_m, 216), "ORDER": order,
-            "BLOCKED": blocked, "num_warps": 4}
+            "BLOCKED": blocked, "HALVES": halves, "SK": stream_k, "num_warps": 4}
 
 
-def _descriptors(w_packed, w_scale, k: int, block_k: int, gated: bool, blocked: bool):
+def _partial_sums(block_m: int, halves: int) -> int:
+    """FP32 partial sums a consumer of a cut stream-K tile leaves: its accumulators'."""
+    bt0, bt1 = split_rows(block_m)
+    return WGR.value * (bt0 + (bt0 if halves == 2 else bt1))
+
+
+def _descriptors(w_packed, w_scale, k: int, block_k: int, split: bool, blocked: bool):
     """TMA descriptors of the words and scales: rows of K/8 words and K/32 scales, or with
-    ``blocked`` (``chordq.layout.row_blocks``) rows of one piece, 32 words and 8 scales."""
-    box, layout = _words_box(block_k, gated)
+    ``blocked`` (``chordq.layout.row_blocks``) rows of one piece, 32 words and 8 scales;
+    ``split``: boxes of 64 rows (the 256-row form's gate or up half), else 128."""
+    box, layout = _words_box(block_k, split)
     w_desc = TensorDescriptor.from_tensor(w_packed.view(-1, 32 if blocked else k // 8), box,
                                           layout)
-    box, layout = _scales_box(block_k, gated)
+    box, layout = _scales_box(block_k, split)
     s_desc = TensorDescriptor.from_tensor(w_scale.view(-1, 8 if blocked else k // 32), box,
                                           layout)
     return w_desc, s_desc
@@ -432,18 +701,19 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
                                    num_tokens_post_padded, top_k, out, *, num_routes, grid_m,
                                    block_m, block_n, block_k, num_stages, gated,
                                    order: bool = ORDERED, persistent: bool = PERSISTENT,
-                                   blocked: bool = False):
+                                   blocked: bool = False, stream_k: bool = False):
     """Launch the prefill tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
     (subnormal weights, ``block_m``-row alignment) and calls this for its configs
     (``triton_config.GLUON_PREFILL_TILE``). ``block_n``: output columns per tile.
     ``persistent``: one program per SM shares the ``grid_m x N / block_n`` tiles (module
     docstring), else one program per tile. ``blocked``: the weights are in
-    ``chordq.layout.row_blocks`` (``w_order="blocked"``)."""
+    ``chordq.layout.row_blocks`` (``w_order="blocked"``). ``stream_k`` (persistent only): a
+    last round of tiles under 80% full and the round before it are shared out by K steps
+    (``_schedule``); a tile cut in two is summed in FP32 through ``triton_w4a16``'s stream-K
+    buffers."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
-    if block_n != (WGR.value if gated else 2 * WGR.value):
-        raise ValueError(f"the Gluon prefill tile computes {2 * WGR.value} weight rows: "
-                         f"block_n {WGR.value if gated else 2 * WGR.value}, got {block_n}")
+    halves = halves_of(block_n, gated)
     if k % (2 * block_k) or n % block_n:  # scales: a TMA box covers two steps
         raise ValueError(f"the Gluon prefill tile needs K % {2 * block_k} == 0 and N % "
                          f"{block_n} == 0, got K={k}, N={n}")
@@ -452,26 +722,39 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
     if blocked and block_k > 128:  # two steps' scales: one piece's 8
         raise ValueError(f"the Gluon prefill tile on row blocks needs block_k <= 128, got "
                          f"{block_k}")
+    if stream_k and not persistent:
+        raise ValueError("stream_k shares the persistent programs' last rounds: persistent only")
     tiles = n // block_n * grid_m
-    opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order, blocked)
-    w_desc, s_desc = _descriptors(w_packed, w_scale, k, block_k, gated, blocked)
-    _w4a16_prefill_kernel[(min(tiles, _num_sms(x.device)) if persistent else tiles,)](
-        x, w_desc, s_desc, out, sorted_token_ids, expert_ids, num_tokens_post_padded, n, k,
-        num_routes, x.stride(0), out.stride(0), n // block_n, grid_m, maxnreg=_MAXNREG, **opts)
+    programs = min(tiles, _num_sms(x.device)) if persistent else tiles
+    opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order, blocked, halves,
+                           stream_k)
+    w_desc, s_desc = _descriptors(w_packed, w_scale, k, block_k, gated and halves == 1, blocked)
+    if stream_k:  # a boundary slot per program and one more, a part per consumer
+        parts, arrivals = _stream_k_buffers(x.device, 2 * (programs + 1),
+                                            _partial_sums(block_m, halves) // 2)
+    else:
+        parts, arrivals = out, sorted_token_ids  # not read
+    _w4a16_prefill_kernel[(programs,)](
+        x, w_desc, s_desc, out, sorted_token_ids, expert_ids, num_tokens_post_padded, parts,
+        arrivals, n, k, num_routes, x.stride(0), out.stride(0), parts.stride(0), n // block_n,
+        grid_m, maxnreg=_MAXNREG, **opts)
     return out
 
 
 def compile_sm90(block_m: int = GLUON_PREFILL_TILE.block_m,
                  block_k: int = GLUON_PREFILL_TILE.block_k,
                  num_stages: int = GLUON_PREFILL_TILE.num_stages, gated: bool = False,
-                 top_k: int = 8, order: bool = ORDERED, blocked: bool = True):
+                 top_k: int = 8, order: bool = ORDERED, blocked: bool = True,
+                 halves: int = 1, stream_k: bool = False):
     """The tile built for sm_90 on the CPU (``gluon_w4a16.compile_kernel_sm90``: tests, lab);
-    by default the shipped one (``triton_config.GLUON_PREFILL_TILE``, ``ORDERED``)."""
-    box, layout = _words_box(block_k, gated)
-    s_box, s_layout = _scales_box(block_k, gated)
+    by default the shipped one (``triton_config.GLUON_PREFILL_TILE``, ``ORDERED``);
+    ``halves=2``: the wide form (512 weight rows); ``stream_k``: the stream-K schedule."""
+    box, layout = _words_box(block_k, gated and halves == 1)
+    s_box, s_layout = _scales_box(block_k, gated and halves == 1)
     return compile_kernel_sm90(_w4a16_prefill_kernel,
                                _launch_options(top_k, block_m, block_k, num_stages, gated, order,
-                                               blocked),
+                                               blocked, halves, stream_k),
                                types={"w_desc": f"tensordesc<i32{box},{layout!r}>",
-                                      "s_desc": f"tensordesc<bf16{s_box},{s_layout!r}>"},
+                                      "s_desc": f"tensordesc<bf16{s_box},{s_layout!r}>",
+                                      "parts_ptr": "*fp32", "arrivals_ptr": "*i32"},
                                maxnreg=_MAXNREG)

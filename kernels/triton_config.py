@@ -16,7 +16,8 @@ __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
            "gluon_decode_applies", "gluon_prefill_applies", "GLUON_DECODE_TILE",
            "choose_gluon_n_tiles", "choose_gluon_stream_k", "choose_gluon_split_k",
            "GLUON_STREAM_K_PER_SM",
-           "GLUON_PREFILL_TILE", "GLUON_PREFILL_TILE_64", "gluon_prefill_64_applies"]
+           "GLUON_PREFILL_TILE", "GLUON_PREFILL_TILE_64", "GLUON_PREFILL_TILE_64_WIDE",
+           "choose_gluon_prefill_wide", "gluon_prefill_64_applies"]
 
 GROUP_SIZE = 32
 # token rows a block of gluon_w4a16's mma.sync decode tile holds (n8 fragments in registers)
@@ -80,7 +81,10 @@ class W4A16Config:
         256, ``num_stages`` the depth of its copy ring; with ``silu_mul`` ``block_n`` counts
         the gate and up rows together) or ``gluon_prefill``'s warp-specialized tile
         (``block_m`` 96 or 64, 256 weight rows: ``block_n`` 256, or 128 per half with
-        ``silu_mul``; ``num_warps`` 4 is its loader, two 4-warp consumers come on top).
+        ``silu_mul``; on 64-row blocks also the wide form, 512 weight rows: ``block_n`` 512, or
+        256 with ``silu_mul``, at most 3 stages; ``num_warps`` 4 is its loader, two 4-warp
+        consumers come on top; ``stream_k`` 1: its persistent programs share a thin last
+        round of tiles by K steps).
     """
 
     block_m: int = 16
@@ -128,21 +132,24 @@ class W4A16Config:
             plain = (self.k_order, self.max_registers,
                      self.columns_first) == ("subnormal", None, False)
             shared = self.stream_k or self.split_k > 1  # programs share a tile's K steps
+            prefill_sk = self.stream_k == 1 and self.split_k == 1 and self.block_m in (96, 64)
             decode = (self.block_m in GLUON_DECODE_ROWS and self.block_k == 256
                       and self.block_n >= 64 and (self.n_tiles == 1 or self.num_stages >= 2
                                                   and self.block_m == 8)
                       and (not shared or self.block_m == 8))
-            if shared and not decode:
+            if shared and not decode and not prefill_sk:
                 plain = False
+            wide = self.block_n == 512 and self.block_m == 64 and self.num_stages <= 3
             prefill = (self.block_m in (96, 64) and self.block_k in (64, 128, 256)
-                       and self.block_n in (128, 256) and self.num_warps == 4
+                       and (self.block_n in (128, 256) or wide) and self.num_warps == 4
                        and self.n_tiles == 1)
             if not (plain and (decode or prefill)):
                 raise ValueError(f"the gluon backend is the decode tile (block_m 8, 16 or 32, "
                                  f"block_k 256, block_n >= 64; n_tiles > 1, stream_k or "
                                  f"split_k: 8 rows; n_tiles: 2+ stages) or the prefill tile "
-                                 f"(block_m 96 or 64, block_n 128 or 256, 4 loader warps, no "
-                                 f"n_tiles, stream_k or split_k), k_order 'subnormal', no "
+                                 f"(block_m 96 or 64, block_n 128 or 256, or 512 at block_m "
+                                 f"64 and 3 stages at most, 4 loader warps, no "
+                                 f"n_tiles or split_k, stream_k 0 or 1), k_order 'subnormal', no "
                                  f"max_registers or columns_first; got {self}")
             return
         if self.backend != "triton":
@@ -177,6 +184,16 @@ GLUON_PREFILL_TILE = W4A16Config(96, 256, 128, 4, 4, k_order="subnormal", backen
 # slots (it has the shared memory: 217 KB) against four, with 232 consumer registers (session
 # 23, same process): gate_up 0.98, fused 0.97, TP8 gate_up 0.99 / 0.98, down 1.01.
 GLUON_PREFILL_TILE_64 = dataclasses.replace(GLUON_PREFILL_TILE, block_m=64, num_stages=5)
+# Its wide form (variant 55): each consumer owns two 128-row halves, 512 weight rows a tile (with
+# silu_mul 256 gate rows and their up rows), so a slot's gathered X rows serve twice the weight
+# rows; 3 slots (gluon_prefill.WIDE_STAGES: 56 KB each). H100, same process, of the 256-row
+# tile's time: EP8 gate_up T=256 0.935, TP8 gate_up T=2048 0.913, EP8 down T=256 1.025 (half the
+# tiles in 6 rounds of 132 SMs against 11: choose_gluon_prefill_wide).
+GLUON_PREFILL_TILE_64_WIDE = dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=512,
+                                                 num_stages=3)
+# A wide tile's time against two 256-row tiles' (variant 55: 0.91-0.94 in equal rounds, and
+# 1.025 * 11 / 12 = 0.94 at EP8 down, where the wide grid took 6 rounds against 11)
+GLUON_PREFILL_WIDE_PAIR = 0.94
 
 
 def touched_experts(num_experts: int, num_routes: float) -> float:
@@ -243,6 +260,22 @@ def gluon_prefill_64_applies(rows_per_expert: float, n: int, k: int,
     ``cp.async`` (session 22), 0.90 since they go by TMA (session 23, same process, EP8
     gate_up T=256 and TP8 gate_up T=2048)."""
     return 32 < rows_per_expert <= 64 and _gluon_prefill_fits(n, k, gated)
+
+
+def choose_gluon_prefill_wide(blocks: int, n: int, gated: bool, num_sms: int) -> bool:
+    """Whether the 64-row Gluon tile runs in its wide form (``GLUON_PREFILL_TILE_64_WIDE``):
+    where its half as many tiles, each ``GLUON_PREFILL_WIDE_PAIR`` of two 256-row tiles' time,
+    finish sooner in rounds of ``num_sms`` (the launch is persistent and the tiles equal):
+    ``2 ceil(t / 2 S) x 0.94 < ceil(t / S)`` for ``t = blocks x N / out_n`` 256-row tiles. At
+    43 rows per expert (48 blocks at EP8, 384 at TP8, 132 SMs): gate_up (16 tiles a block; TP8:
+    2) 3 rounds against 6, wide; EP8 down (28) 6 against 11, not."""
+    out_n = _gluon_prefill_out_n(gated)
+    if n % (2 * out_n):
+        return False
+    tiles = max(1, blocks) * (n // out_n)
+    narrow = math.ceil(tiles / num_sms)
+    wide = math.ceil(tiles / (2 * num_sms))
+    return 2 * wide * GLUON_PREFILL_WIDE_PAIR < narrow
 
 
 def _gluon_prefill_out_n(gated: bool) -> int:

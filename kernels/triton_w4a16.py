@@ -979,6 +979,10 @@ def indexed_config(
             split = choose_gluon_split_k(busy_blocks, n, k, gated, sms)
             return dataclasses.replace(cfg, split_k=split) if split > 1 else cfg
     if cfg.backend == "gluon":
+        if (config is None and cfg.block_m == 64 and triton_config.choose_gluon_prefill_wide(
+                busy_blocks, n, gated, _num_sms(device))):
+            wide = triton_config.GLUON_PREFILL_TILE_64_WIDE
+            return dataclasses.replace(cfg, block_n=2 * cfg.block_n, num_stages=wide.num_stages)
         return cfg
     if config is None:
         if cfg.n_tiles > 1:
@@ -1075,7 +1079,7 @@ def moe_gemm_indexed_triton(
             x, w_packed, w_scale, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
             out, num_routes=num_routes, grid_m=grid_m, block_m=cfg.block_m,
             block_n=cfg.block_n, block_k=cfg.block_k, num_stages=cfg.num_stages, gated=gated,
-            blocked=w_order == "blocked")
+            blocked=w_order == "blocked", stream_k=cfg.stream_k == 1)
     args = (num_routes, n, k, grid_m, x.stride(0), w_packed.stride(0), w_packed.stride(1),
             w_scale.stride(0), w_scale.stride(1))
     if cfg.n_tiles > 1:

@@ -11,11 +11,15 @@ import re
 import pytest
 
 from chordq.kernels import moe_align_block_size
-from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64, W4A16Config,
-                                          choose_config, choose_row_tiles,
+from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64,
+                                          GLUON_PREFILL_TILE_64_WIDE, W4A16Config,
+                                          choose_config, choose_gluon_prefill_wide,
+                                          choose_row_tiles,
                                           gluon_prefill_64_applies, gluon_prefill_applies)
 from test_kernels_gluon import (_problem, _sass, check_fused_moe_tile, check_graph_capture,
                                 check_indexed_tile, fast_weights, needs_sm90)
+
+SMEM_PER_BLOCK = 232448  # sm_90: the most shared memory one block can take
 
 # ----------------------------------------------------------------------------- config
 
@@ -54,6 +58,31 @@ def test_64_row_tile_where_it_won():
     # a 64-row remainder piece at 150 rows per expert keeps the Triton tile
     assert choose_config(150.0, 4096, 7168, block_m=64, w_order="subnormal",
                          gluon=True).backend == "triton"
+
+
+def test_wide_64_row_tile_config():
+    """The wide form (512 weight rows, 3 slots) is a 64-row tile only, and its stage count is
+    the kernel's ring (``gluon_prefill.WIDE_STAGES``)."""
+    assert GLUON_PREFILL_TILE_64_WIDE.label == "64,512,128,4,3,Z,G"
+    for bad in ((96, 512, 128, 4, 3), (64, 512, 128, 4, 4), (64, 1024, 128, 4, 3)):
+        with pytest.raises(ValueError, match="the prefill tile"):
+            W4A16Config(*bad, k_order="subnormal", backend="gluon")
+
+
+def test_wide_form_where_it_takes_fewer_rounds():
+    """``choose_gluon_prefill_wide`` at 43 rows per expert on 132 SMs: gate_up (EP8: 48
+    blocks x 16 tiles; TP8: 384 x 2), plain or fused, in 3 rounds of wide tiles against 6;
+    EP8 down (48 x 28 tiles) stays 256 rows (6 rounds against 11); N not in whole wide tiles
+    stays too."""
+    assert choose_gluon_prefill_wide(48, 4096, False, 132)
+    assert choose_gluon_prefill_wide(48, 2048, True, 132)
+    assert choose_gluon_prefill_wide(384, 512, False, 132)
+    assert choose_gluon_prefill_wide(384, 256, True, 132)
+    assert not choose_gluon_prefill_wide(48, 7168, False, 132)
+    assert not choose_gluon_prefill_wide(48, 4096 + 256, False, 132)
+    assert not choose_gluon_prefill_wide(48, 2048 + 128, True, 132)
+    # one round either way: the wide tiles' 0.94 of two is 1.88 rounds' time
+    assert not choose_gluon_prefill_wide(4, 4096, False, 132)
 
 
 def test_gluon_prefill_64_applies():
@@ -123,10 +152,12 @@ def test_gluon_prefill_applies_needs_whole_tiles_and_deep_k():
 
 
 @pytest.mark.usefixtures("real_triton_compile")
-@pytest.mark.parametrize("block_m, gated, accumulators", [
-    (96, False, {"64", "32"}), (96, True, {"64", "32"}), (64, False, {"64"}),
-    (64, True, {"64"})], ids=["96-plain", "96-silu_mul", "64-plain", "64-silu_mul"])
-def test_sm90_build_is_warp_specialized_wgmma_without_spills(block_m, gated, accumulators):
+@pytest.mark.parametrize("block_m, gated, accumulators, halves", [
+    (96, False, {"64", "32"}, 1), (96, True, {"64", "32"}, 1), (64, False, {"64"}, 1),
+    (64, True, {"64"}, 1), (64, False, {"64"}, 2), (64, True, {"64"}, 2)],
+    ids=["96-plain", "96-silu_mul", "64-plain", "64-silu_mul", "wide-plain", "wide-silu_mul"])
+def test_sm90_build_is_warp_specialized_wgmma_without_spills(block_m, gated, accumulators,
+                                                             halves):
     """What the tile is, checked in its SASS: register reallocation between the loader and
     the consumer warpgroups (``setmaxnreg``), wgmmas on register A with 64- and 32-row
     accumulators (96-row blocks: ``HGMMA.64x64x16``, ``HGMMA.64x32x16``) or one 64-row one,
@@ -138,9 +169,14 @@ def test_sm90_build_is_warp_specialized_wgmma_without_spills(block_m, gated, acc
     from chordq.kernels import gluon_prefill
 
     tile = GLUON_PREFILL_TILE_64 if block_m == 64 else GLUON_PREFILL_TILE
+    if halves == 2:
+        tile = GLUON_PREFILL_TILE_64_WIDE
     kernel = gluon_prefill.compile_sm90(block_m=block_m, gated=gated,
-                                        num_stages=tile.num_stages)
+                                        num_stages=tile.num_stages, halves=halves)
+    assert kernel.metadata.shared <= SMEM_PER_BLOCK
     sass = _sass(kernel)
+    # a step's wgmmas: 2 x 8 k16 slices of 64 rows, per consumer half
+    assert sass.count("HGMMA") == 2 * 16 * halves * len(accumulators)
     assert "USETMAXREG" in sass
     shapes = set(re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+", sass))
     assert shapes == accumulators
@@ -148,6 +184,22 @@ def test_sm90_build_is_warp_specialized_wgmma_without_spills(block_m, gated, acc
     assert "LDGSTS" in sass and "ARRIVES.LDGSTSBAR" in sass and "SYNCS" in sass
     assert "LDSM" in sass
     assert "STL" not in sass and "LDL" not in sass
+
+
+@pytest.mark.usefixtures("real_triton_compile")
+def test_wide_ring_is_as_deep_as_shared_memory_allows():
+    """The wide form's slots hold twice the words and scales (56 KB at 128-deep steps): its
+    3 slots fit an SM's shared memory and a fourth would not, so the launch refuses it."""
+    pytest.importorskip("triton.experimental.gluon")
+    from chordq.kernels import gluon_prefill
+
+    stages = gluon_prefill.WIDE_STAGES
+    assert stages == GLUON_PREFILL_TILE_64_WIDE.num_stages == 3
+    shared = gluon_prefill.compile_sm90(block_m=64, num_stages=stages, halves=2).metadata.shared
+    assert shared <= SMEM_PER_BLOCK < shared * (stages + 1) // stages
+    for block_m, more in ((64, stages + 1), (96, stages)):
+        with pytest.raises(ValueError, match="wide"):
+            gluon_prefill.compile_sm90(block_m=block_m, num_stages=more, halves=2)
 
 
 @pytest.mark.usefixtures("real_triton_compile")
@@ -210,23 +262,49 @@ def test_prefill_tile_walks_more_tiles_than_programs(monkeypatch, e, n, k, m, to
     check_indexed_tile(96, e, n, k, m, top_k, local, activation, config=cfg)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["256-rows", "wide"])
 @pytest.mark.parametrize("w_order", ["blocked", "subnormal"])
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
 @pytest.mark.parametrize("e, n, k, m, top_k, local", [
-    (4, 512, 2048, 100, 2, None),  # 16 K steps; 50 rows per expert: one partial 64-row block
-    (3, 512, 256, 80, 2, None),  # 2 K steps (under the ring's 4 slots); 53 rows per expert
+    (4, 1024, 2048, 100, 2, None),  # 16 K steps; 50 rows per expert: one partial 64-row block
+    (3, 512, 256, 80, 2, None),  # 2 K steps (under the ring's slots); 53 rows per expert
     (4, 512, 2048, 60, 3, 3),  # expert_map: a remote expert (id -1), its rows untouched
 ], ids=["16-steps", "2-steps", "remote"])
 @needs_sm90
 def test_64_row_tile_matches_the_reference(monkeypatch, e, n, k, m, top_k, local, activation,
-                                           w_order):
-    """The 64-row form (one accumulator, ``GLUON_PREFILL_TILE_64``), persistent over 3
-    programs as on a GPU with 3 SMs, so programs walk several tiles."""
+                                           w_order, wide):
+    """The 64-row form (one accumulator, ``GLUON_PREFILL_TILE_64``) and its wide form (512
+    weight rows, ``GLUON_PREFILL_TILE_64_WIDE``), persistent over 3 programs as on a GPU with
+    3 SMs, so programs walk several tiles."""
     from chordq.kernels import gluon_prefill
 
     monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
-    cfg = dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=128 if activation else 256)
+    tile = GLUON_PREFILL_TILE_64_WIDE if wide else GLUON_PREFILL_TILE_64
+    cfg = dataclasses.replace(tile, block_n=tile.block_n // (2 if activation else 1))
     check_indexed_tile(64, e, n, k, m, top_k, local, activation, config=cfg, w_order=w_order)
+
+
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@pytest.mark.parametrize("block_m, wide", [(96, False), (64, False), (64, True)],
+                         ids=["96", "64", "wide"])
+@needs_sm90
+def test_stream_k_tile_matches_the_reference(monkeypatch, block_m, wide, activation):
+    """The stream-K schedule (``stream_k=1``) over 3 programs, as on a GPU with 3 SMs: 4
+    blocks x 4 column tiles (wide: 2) leave a last round of 1 (2) tile, so the last 4 (5)
+    tiles are shared by K steps (16 steps, cut at pairs) and most of them cut in two, summed
+    through the stream-K buffers; twice, as the buffers must be left zero."""
+    from chordq.kernels import gluon_prefill
+
+    monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
+    tile = GLUON_PREFILL_TILE if block_m == 96 else GLUON_PREFILL_TILE_64
+    if wide:
+        tile = GLUON_PREFILL_TILE_64_WIDE
+    cfg = dataclasses.replace(tile, block_n=tile.block_n // (2 if activation else 1),
+                              stream_k=1)
+    assert cfg.label.endswith(",K1,G")
+    for _ in range(2):
+        check_indexed_tile(block_m, 4, 1024, 2048, 100, 2, None, activation, config=cfg,
+                           w_order="blocked")
 
 
 @needs_sm90
@@ -235,9 +313,12 @@ def test_indexed_heuristic_takes_the_64_row_tile_on_sm90():
 
     assert indexed_config(2048, 48, 7168, 2048, 64, w_order="subnormal",
                           device="cuda") == GLUON_PREFILL_TILE_64  # EP8 down T=256
-    assert indexed_config(2048, 48, 4096, 7168, 64, activation="silu_mul", w_order="subnormal",
-                          device="cuda") == dataclasses.replace(GLUON_PREFILL_TILE_64,
-                                                                block_n=128)  # fused
+    # gate_up, fused or not: the wide form (16 column tiles of 48 blocks: 3 rounds, not 6)
+    assert indexed_config(2048, 48, 2048, 7168, 64, activation="silu_mul", w_order="subnormal",
+                          device="cuda") == dataclasses.replace(GLUON_PREFILL_TILE_64_WIDE,
+                                                                block_n=256)
+    assert indexed_config(2048, 48, 4096, 7168, 64, w_order="blocked",
+                          device="cuda") == GLUON_PREFILL_TILE_64_WIDE
     assert indexed_config(2048, 48, 7168, 2048, 64, w_order="fragments",
                           device="cuda").backend == "triton"
 

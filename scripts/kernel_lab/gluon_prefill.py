@@ -27,8 +27,9 @@ the mixed sizes) and times it against the shipped Triton tiles (and Humming), in
 graphs; ``PREFILL_AB`` names copies of ``kernels/gluon_prefill.py`` (other commits, patched
 variants) whose ping-pong tiles run in the same process, so their ratios share one clock and
 power state (across processes the same tile's time moved by 10%: session 20).
-``--profile PROJ T TILE`` runs one lockstep tile (or ``pp:BM,BK,STAGES[,ORDER[,PERSIST]]``,
-the ping-pong one) and the Triton tiles for ``ncu_prefill.sh`` / ``ncu_source.sh``.
+``--profile PROJ T TILE`` runs one lockstep tile (or the ping-pong one,
+``pp:BM,BK,STAGES[,ORDER[,PERSIST[,HALVES[,SK]]]]``) and the Triton tiles for
+``ncu_prefill.sh`` / ``ncu_source.sh``.
 
 Patches for the ping-pong tile (``git apply``, then run as above): ``patches/ablate.patch``
 (``GLUON_ABLATE`` bits: 1 dequantize once, 2 the loader copies nothing, 4 the consumers skip
@@ -262,13 +263,14 @@ def parse_tile(text: str) -> tuple[int, ...]:
     return tuple(v + [0, 1, 56][len(v) - 7:])
 
 
-def parse_pp(text: str) -> tuple[int, int, int, int, int]:
-    """The ping-pong tile (kernels/gluon_prefill.py) as ``BM,BK,STAGES[,ORDER[,PERSIST]]``: BM
-    (96: 64 + 32 rows), ORDER 1 where the consumers take turns issuing wgmmas, PERSIST 1 for
-    one program per SM walking the tiles, 0 for one per tile (defaults: the shipped choices,
-    ``ORDERED`` and ``PERSISTENT``)."""
+def parse_pp(text: str) -> tuple[int, int, int, int, int, int, int]:
+    """The ping-pong tile (kernels/gluon_prefill.py) as
+    ``BM,BK,STAGES[,ORDER[,PERSIST[,HALVES[,SK]]]]``: BM (96: 64 + 32 rows), ORDER 1 where the
+    consumers take turns issuing wgmmas, PERSIST 1 for one program per SM walking the tiles, 0
+    for one per tile, HALVES 2 for the wide form (512 weight rows a tile), SK 1 for the
+    stream-K schedule (defaults: ``ORDERED``, ``PERSISTENT``, 1, 0)."""
     v = [int(x) for x in text.split(",")]
-    return tuple(v + [int(ORDERED), int(PERSISTENT)][len(v) - 3:])
+    return tuple(v + [int(ORDERED), int(PERSISTENT), 1, 0][len(v) - 3:])
 
 
 # PREFILL_AB="gluon_prefill_base ...": copies of kernels/gluon_prefill.py (say, from another
@@ -330,18 +332,20 @@ def gpu_main() -> None:
                 prefill_gemm(c.x, c.wf, c.sf, *a, nb, c.p.top_k, out, bn=t[0], bk=t[1],
                              bt0=t[2], bt1=t[3], stages=t[4], warps=t[5], lw=t[6], a_smem=t[7],
                              ctas=t[8], lregs=t[9]))
-        for bm, bk, stages, order, persist in PP_TILES:  # the shipped ping-pong tile
+        for bm, bk, stages, order, persist, halves, sk in PP_TILES:  # the shipped tile
             for (name, launcher), gated in itertools.product(
                     PP_COPIES, (False, True) if c.proj == "gate_up" else (False,)):
                 add(f"{name} {bm}x{bk} s{stages}" + " o" * order + " p" * persist
-                    + (" fused" if gated else ""), bm,
-                    lambda out, a, nb, t=(bm, bk, stages, order, persist), gated=gated,
+                    + " w" * (halves - 1) + " sk" * sk + (" fused" if gated else ""), bm,
+                    lambda out, a, nb, t=(bm, bk, stages, order, persist, halves, sk),
+                    gated=gated,
                     launcher=launcher, blocked=BLOCKED and not name.endswith("c8k"): launcher(
                         c.x, *(c.extra if blocked else (c.wf, c.sf)), *a, c.p.top_k, out,
                         num_routes=c.rows, grid_m=nb, block_m=t[0],
-                        block_n=128 if gated else 256, block_k=t[1], num_stages=t[2],
-                        gated=gated, order=bool(t[3]), persistent=bool(t[4]),
-                        blocked=blocked),
+                        block_n=(128 if gated else 256) * t[5], block_k=t[1],
+                        num_stages=t[2], gated=gated, order=bool(t[3]),
+                        persistent=bool(t[4]), blocked=blocked,
+                        **({"stream_k": True} if t[6] else {})),
                     act="silu_mul" if gated else None)
 
         for sizes in MIXED:  # the shipped tiles' launches over moe_align_mixed pieces
@@ -380,8 +384,8 @@ def profile_main(proj: str, tokens: int, tile: str) -> None:
         if pp:
             moe_gemm_indexed_gluon_prefill(x, wf, sf, *a, p.top_k, out, num_routes=8 * tokens,
                                            grid_m=int(a[2][0]) // block, block_m=t[0],
-                                           block_n=256, block_k=t[1], num_stages=t[2],
-                                           gated=False, order=bool(t[3]),
+                                           block_n=256 * t[5], block_k=t[1],
+                                           num_stages=t[2], gated=False, order=bool(t[3]),
                                            persistent=bool(t[4]))
             continue
         prefill_gemm(x, wf, sf, a[0], a[1], a[2], int(a[2][0]) // block, p.top_k, out,

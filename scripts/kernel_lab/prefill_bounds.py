@@ -44,9 +44,9 @@ import os
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "kernels")
 
 ACC0 = "    acc0 = gl.zeros([ROWS, BT0], gl.float32, mma0)\n"
-MMA0 = ("        acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0, "
-        "is_async=True)\n")
-NOX = ("                _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)\n", "")
+MMA0 = ("                acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0,\n"
+        "                                     is_async=True)\n")
+NOX = ("            _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)\n", "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,19 +73,19 @@ C8K = [("        _tma_load(desc, [row, col], bar, dst)\n",
 # a token's other experts read later are still in L2 after the weights streamed past
 PREFETCH = ("gl.inline_asm_elementwise(\"prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;\", "
             "\"=r,l\", [{ptrs} + i * BK], dtype=gl.int32, is_pure=False, pack=1)\n")
-PFX = [("            x0_ptrs = _x_ptrs(",
-        "            xl0_ptrs = _x_line_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm,"
+PFX = [("        x0_ptrs = _x_ptrs(",
+        "        xl0_ptrs = _x_line_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm,"
         " TOP_K, BT0, BK, num_warps)\n"
-        "            x0_ptrs = _x_ptrs("),
-       ("                _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)\n",
-        "                _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)\n"
-        "                " + PREFETCH.format(ptrs="xl0_ptrs")
-        + "                if BT1 > 0:\n"
-        "                    " + PREFETCH.format(ptrs="xl1_ptrs")),
-       ("                x1_ptrs = _x_ptrs(",
-        "                xl1_ptrs = _x_line_ptrs(x_ptr, sorted_ids_ptr, row0 + BT0, num_routes,"
+        "        x0_ptrs = _x_ptrs("),
+       ("            _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)\n",
+        "            _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)\n"
+        "            " + PREFETCH.format(ptrs="xl0_ptrs")
+        + "            if BT1 > 0:\n"
+        "                " + PREFETCH.format(ptrs="xl1_ptrs")),
+       ("            x1_ptrs = _x_ptrs(",
+        "            xl1_ptrs = _x_line_ptrs(x_ptr, sorted_ids_ptr, row0 + BT0, num_routes,"
         " stride_xm, TOP_K, BT1, BK, num_warps)\n"
-        "                x1_ptrs = _x_ptrs("),
+        "            x1_ptrs = _x_ptrs("),
        ("@gluon.jit\ndef _tile_count(", """@gluon.jit
 def _x_line_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K: gl.constexpr,
                  BT: gl.constexpr, BK: gl.constexpr, LW: gl.constexpr):
@@ -100,24 +100,24 @@ def _x_line_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K: gl.c
 
 @gluon.jit
 def _tile_count(""")]
-DEQUANT = "        a = _dequant(w, s, s3_l, ROWS, BK)\n"
+DEQUANT = "            a = _dequant(w, s, s3_l, ROWS, BK)\n"
 EDITS = {
     "gluon_prefill_n32": [
         ("    mma0: gl.constexpr = _mma_layout(BT0, num_warps)\n",
          "    mma0: gl.constexpr = _mma_layout(BT0 // 2, num_warps)\n"),
         (ACC0, "    acc0 = gl.zeros([ROWS, BT0 // 2], gl.float32, mma0)\n"),
-        (MMA0, "        acc0 = warpgroup_mma(a0, x0_bufs.index(slot).slice(0, BT0 // 2)"
+        (MMA0, "                acc0 = warpgroup_mma(a0, x0_bufs.index(slot).slice(0, BT0 // 2)"
                ".permute((1, 0)), acc0, is_async=True)\n"),
         ("            _store(acc0, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, "
-         "stride_om, WGR, BT0,\n",
+         "stride_om, WGR,\n                   BT0, GATED, 4, ok)\n",
          "            _store(acc0, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, "
-         "stride_om, WGR, BT0 // 2,\n"),
+         "stride_om, WGR,\n                   BT0 // 2, GATED, 4, ok)\n"),
     ],
     "gluon_prefill_nox": [
         NOX,
     ],
     "gluon_prefill_nodq": [
-        (DEQUANT, "        a = gl.zeros([ROWS, BK], gl.bfloat16, a0_l)\n"),
+        (DEQUANT, "            a = gl.zeros([ROWS, BK], gl.bfloat16, a0_l)\n"),
     ],
     "gluon_prefill_copies": [CUT],
     "gluon_prefill_copies_nox": [CUT, NOX],
