@@ -90,7 +90,8 @@ from .gluon_w4a16 import _barrier, _cp_async, _dequant, _operand_layouts, compil
 from .triton_config import GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64_WIDE
 from .triton_w4a16 import _num_sms, _stream_k_buffers
 
-__all__ = ["compile_sm90", "halves_of", "moe_gemm_indexed_gluon_prefill", "split_rows"]
+__all__ = ["compile_sm90", "halves_of", "moe_gemm_indexed_gluon_prefill", "split_rows",
+           "stream_k_pieces"]
 
 WGR = gl.constexpr(128)  # weight rows per consumer warpgroup
 # Registers per consumer thread by block rows; the loader gets the rest of 168 x 12 warps (40).
@@ -263,6 +264,31 @@ def _sk_piece(j, mine, it, end, whole, programs, num_steps):
     own = j < mine
     return (gl.where(own, gl.program_id(0) + j * programs, tile), gl.where(own, 0, 2 * first),
             gl.where(own, num_steps, 2 * num), own)
+
+
+def stream_k_pieces(tiles: int, programs: int, num_steps: int) -> list[list[tuple[int, int,
+                                                                              int]]]:
+    """The stream-K schedule on the host (``_schedule``, ``_sk_range``, ``_whole_count``,
+    ``_sk_piece``, the kernel's twin for tests): for each launched program, its pieces
+    ``(tile, first step, steps)`` in the order it walks them."""
+    working = max(min(programs, tiles), 1)
+    tail = tiles % working
+    shared = min(tiles, tail + working) if tail and tail * 5 < working * 4 else 0
+    whole, pairs = tiles - shared, num_steps // 2
+    total = shared * pairs
+    out = []
+    for pid in range(programs):
+        pieces = [(t, 0, num_steps) for t in range(pid, whole, working)]
+        it = pid * total // working
+        end = (pid + 1) * total // working if pid < working else it
+        while it < end:
+            tile = whole + it // pairs
+            first = it - (tile - whole) * pairs
+            num = min(pairs - first, end - it)
+            pieces.append((tile, 2 * first, 2 * num))
+            it += num
+        out.append(pieces)
+    return out
 
 
 @gluon.jit
@@ -500,31 +526,13 @@ def _store_rows(res, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om
 @gluon.jit
 def _sk_parts(acc, part):
     """Pointers of a ``[R, C]`` accumulator's partial sums at ``part`` (row-major), in the
-    accumulator's layout, and zeros in it."""
+    accumulator's layout."""
     layout: gl.constexpr = acc.type.layout
     R: gl.constexpr = acc.type.shape[0]
     C: gl.constexpr = acc.type.shape[1]
     r = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
     c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
-    return part + r[:, None] * C + c[None, :], gl.zeros([R, C], gl.int32, layout)
-
-
-@gluon.jit
-def _sk_add(acc, part, cut):
-    """A cut tile's piece adds its partial sums into ``part`` (zeros before its two pieces)."""
-    ptrs, zeros = _sk_parts(acc, part)
-    gl.atomic_add(ptrs, acc, mask=zeros + cut.to(gl.int32) != 0, sem="relaxed")
-
-
-@gluon.jit
-def _sk_take(acc, part, cut, second):
-    """The second piece of a cut tile to arrive reads both pieces' sums and leaves zeros; a
-    whole tile keeps ``acc``."""
-    ptrs, zeros = _sk_parts(acc, part)
-    last = zeros + second.to(gl.int32) != 0
-    total = gl.atomic_add(ptrs, zeros.to(gl.float32), mask=last, sem="relaxed")
-    gl.store(ptrs, zeros.to(gl.float32), mask=last)
-    return gl.where(cut, total, acc)
+    return part + r[:, None] * C + c[None, :]
 
 
 @gluon.jit
@@ -536,8 +544,7 @@ def _consume_piece(t, first, num, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready, em
                    HALVES: gl.constexpr, SK: gl.constexpr):
     """Steps ``first .. first + num`` of tile ``t`` from ring position ``g``, then the stores
     (SK: a cut tile's two pieces add their sums in ``parts_ptr`` at the boundary's slot, one
-    per consumer, and the second to arrive stores; masks, not branches, as in
-    ``gluon_w4a16._decode_piece``). Returns the ring position after them."""
+    per consumer, and the second to arrive stores). Returns the ring position after them."""
     BT: gl.constexpr = BT0 + BT1
     TWO: gl.constexpr = BT1 > 0 or HALVES == 2  # a second accumulator
     if gl.load(expert_ids_ptr + t // grid_n) >= 0:
@@ -547,19 +554,26 @@ def _consume_piece(t, first, num, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready, em
         n_out = (t % grid_n) * (2 * OUT_W) + n_off
         row0 = (t // grid_n) * BT
         if SK:
+            # a cut tile's two pieces add their sums at the boundary's slot, and the second
+            # to arrive takes the total and leaves zeros; whole tiles branch past all of it
             cut = num < num_steps
-            pid = gl.program_id(0)
-            slot = gl.where(first > 0, pid, pid + 1) * 2 + n_off // OUT_W  # consumer 0 or 1
-            part = parts_ptr + slot.to(gl.int64) * stride_p
-            _sk_add(acc0, part, cut)
-            if TWO:
-                _sk_add(acc1, part + WGR * BT0, cut)
-            _barrier()  # the consumer's partial sums are in before its count (its warpgroup)
-            second = cut & (gl.atomic_add(arrivals_ptr + slot, 1, mask=cut, sem="acq_rel") == 1)
-            acc0 = _sk_take(acc0, part, cut, second)
-            if TWO:
-                acc1 = _sk_take(acc1, part + WGR * BT0, cut, second)
-            gl.store(arrivals_ptr + slot, 0, mask=second)
+            second = False
+            if cut:
+                pid = gl.program_id(0)
+                slot = gl.where(first > 0, pid, pid + 1) * 2 + n_off // OUT_W  # consumer
+                part = parts_ptr + slot.to(gl.int64) * stride_p
+                gl.atomic_add(_sk_parts(acc0, part), acc0, sem="relaxed")
+                if TWO:
+                    gl.atomic_add(_sk_parts(acc1, part + WGR * BT0), acc1, sem="relaxed")
+                _barrier()  # the consumer's partial sums are in before its count
+                second = gl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel") == 1
+                if second:
+                    acc0 = gl.atomic_xchg(_sk_parts(acc0, part), gl.zeros_like(acc0),
+                                          sem="relaxed")
+                    if TWO:
+                        acc1 = gl.atomic_xchg(_sk_parts(acc1, part + WGR * BT0),
+                                              gl.zeros_like(acc1), sem="relaxed")
+                    gl.atomic_xchg(arrivals_ptr + slot, 0, sem="relaxed")
             ok = (not cut) | second
         else:
             ok = True

@@ -187,12 +187,13 @@ GLUON_PREFILL_TILE_64 = dataclasses.replace(GLUON_PREFILL_TILE, block_m=64, num_
 # Its wide form (variant 55): each consumer owns two 128-row halves, 512 weight rows a tile (with
 # silu_mul 256 gate rows and their up rows), so a slot's gathered X rows serve twice the weight
 # rows; 3 slots (gluon_prefill.WIDE_STAGES: 56 KB each). H100, same process, of the 256-row
-# tile's time: EP8 gate_up T=256 0.935, TP8 gate_up T=2048 0.913, EP8 down T=256 1.025 (half the
-# tiles in 6 rounds of 132 SMs against 11: choose_gluon_prefill_wide).
+# tile's time (two runs): EP8 gate_up T=256 0.92-0.94 (fused 0.92), TP8 gate_up T=2048
+# 0.91-0.92 (fused 0.91), EP8 down T=256 1.03 (half the tiles in 6 rounds of 132 SMs against
+# 11: choose_gluon_prefill_wide).
 GLUON_PREFILL_TILE_64_WIDE = dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=512,
                                                  num_stages=3)
 # A wide tile's time against two 256-row tiles' (variant 55: 0.91-0.94 in equal rounds, and
-# 1.025 * 11 / 12 = 0.94 at EP8 down, where the wide grid took 6 rounds against 11)
+# 1.03 * 11 / 12 = 0.94 at EP8 down, where the wide grid took 6 rounds against 11)
 GLUON_PREFILL_WIDE_PAIR = 0.94
 
 

@@ -85,6 +85,46 @@ def test_wide_form_where_it_takes_fewer_rounds():
     assert not choose_gluon_prefill_wide(4, 4096, False, 132)
 
 
+def test_stream_k_schedule_covers_each_tile_once_in_at_most_two_pieces():
+    """The stream-K schedule (its host twin, ``gluon_prefill.stream_k_pieces``): every tile's
+    K steps exactly once; whole tiles for the full rounds; a thin last round (under 80% full)
+    and the round before it shared, each cut tile in two pieces at an even step (the scales'
+    box covers a step pair) whose boundary slot both compute alike (``_consume_piece``), one
+    cut tile a slot; no more pieces a program than its whole tiles and two."""
+    pytest.importorskip("triton.experimental.gluon")
+    from chordq.kernels.gluon_prefill import stream_k_pieces
+
+    shared_seen = 0
+    for tiles in (1, 2, 3, 5, 7, 16, 129, 131, 133, 264, 300, 672, 768, 928, 1344):
+        for programs in (1, 3, 7, 132):
+            for steps in (2, 16, 56):
+                plan = stream_k_pieces(tiles, programs, steps)
+                covered = {t: [] for t in range(tiles)}
+                for pid, pieces in enumerate(plan):
+                    assert len([p for p in pieces if p[2] < steps]) <= 2
+                    for t, first, num in pieces:
+                        assert first % 2 == 0 and num % 2 == 0 and num > 0
+                        slot = pid if first > 0 else pid + 1
+                        covered[t].append((first, num, slot))
+                slots = []
+                for t, parts in covered.items():
+                    parts.sort()
+                    assert sum(n for _, n, _ in parts) == steps, (tiles, programs, steps, t)
+                    assert [f for f, _, _ in parts] == [0] + [f + n for f, n, _ in parts[:-1]]
+                    assert len(parts) <= 2
+                    if len(parts) == 2:  # cut: both pieces name the same boundary slot
+                        assert parts[0][2] == parts[1][2]
+                        slots.append(parts[0][2])
+                        shared_seen += 1
+                assert len(slots) == len(set(slots))  # one cut tile a boundary slot
+                working = min(programs, tiles)
+                if tiles % working and (tiles % working) * 5 < working * 4:
+                    assert max(len(p) for p in plan) <= tiles // working + 2
+                else:  # a full last round (or one): whole tiles only
+                    assert all(n == steps for p in plan for _, _, n in p)
+    assert shared_seen > 100
+
+
 def test_gluon_prefill_64_applies():
     assert gluon_prefill_64_applies(42.7, 4096, 7168)
     assert gluon_prefill_64_applies(64.0, 7168, 2048)
