@@ -656,7 +656,18 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
     for key, field in (("ratio_graph", "graph_us"), ("ratio_do_bench", "do_bench_us")):
         a, b = row["chordq"].get(field), row["humming"].get(field)
         row[key] = a / b if a and b else None
+    row["ratio_reps"] = ratio_reps(row["chordq"].get("graph_reps"),
+                                   row["humming"].get("graph_reps"))
     return row
+
+
+def ratio_reps(a: Sequence[float] | None, b: Sequence[float] | None) -> list[float] | None:
+    """Each interleaved repetition's ratio ``a / b``: the two ran next to each other, so a
+    clock that drifts across repetitions (long rows on a warming card: 10-15%, performance.md
+    §25) moves both, where the medians of ``a`` and of ``b`` may pick different repetitions."""
+    if not a or not b or len(a) != len(b):
+        return None
+    return [x / y for x, y in zip(a, b)]
 
 
 # ------------------------------------------------------------------ report
@@ -688,7 +699,9 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         f"flushed, warmup {meta.get('do_bench_warmup')} / rep {meta.get('do_bench_rep')} ms. "
         "ratio = chordq µs / Humming µs (< 1: chordq faster). Floor = max(bytes / 4.28 TB/s, "
         "FLOPs / 792 TFLOP/s), kernels.md §3 model at each layout's shape, with the experts the "
-        "draw touched; % = floor / graph µs.",
+        "draw touched; % = floor / graph µs. per rep = each repetition's chordq / Humming "
+        "graph time (measured next to each other; the median ratio of the two medians may "
+        "pair different repetitions where the clock drifts).",
         "",
         "GEMM to GEMM: both gate_up columns write 8T x 2I (chordq with activation=None). "
         "'chordq fused' is chordq's shipped gate_up with SiLU-and-mul fused (writes 8T x I; "
@@ -700,10 +713,10 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         "(ws = warp-specialized, sk = stream-K).",
         "",
         "| layout | T | proj | experts | chordq tile | Humming tile | cos chordq / Humming "
-        "| chordq graph µs | Humming graph µs | ratio graph | chordq do_bench µs "
+        "| chordq graph µs | Humming graph µs | ratio graph | per rep | chordq do_bench µs "
         "| Humming do_bench µs | ratio do_bench | floor µs | chordq % floor | Humming % floor "
         "| chordq fused graph µs |",
-        "|---|---:|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         c, h, fz = r.get("chordq", {}), r.get("humming", {}), r.get("chordq_fused", {})
@@ -712,6 +725,7 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
             f"| {c.get('config', 'err')} | {h.get('config', 'n/a')} | {_cos(c)} / {_cos(h)} "
             f"| {_f(c.get('graph_us'))} | {_f(h.get('graph_us'))} "
             f"| {_f(r.get('ratio_graph'), '.2f')} "
+            f"| {'/'.join(f'{v:.2f}' for v in r.get('ratio_reps') or []) or 'n/a'} "
             f"| {_f(c.get('do_bench_us'))} | {_f(h.get('do_bench_us'))} "
             f"| {_f(r.get('ratio_do_bench'), '.2f')} "
             f"| {r['floor_us']:.1f} ({r['bound'][:3]}) | {_f(c.get('pct_of_floor'), '.0f')}% "

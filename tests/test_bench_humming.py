@@ -344,6 +344,7 @@ def test_end_to_end_on_tiny_shapes_with_fake_humming(fake_humming, tmp_path, mon
         assert r["chordq"]["ok"] and r["humming"]["ok"], r
         assert r["chordq"]["cos_diff"] < 1e-6 and r["humming"]["cos_diff"] < 1e-6
         assert r["ratio_graph"] == pytest.approx(2.0)
+        assert r["ratio_reps"] == pytest.approx([2.0] * 3)
         assert r["humming"]["block_m"] == (8 if 8 * r["tokens"] <= 16 else 16)
         assert r["checked_routes"] >= min(8, 8 * r["tokens"])
         assert ("chordq_fused" in r) == (r["projection"] == "gate_up")
@@ -380,3 +381,15 @@ def test_missing_humming_keeps_chordq_numbers(tmp_path, monkeypatch):
         assert r["chordq"]["ok"] and r["chordq"]["graph_us"] == 10.0
         assert "humming unavailable" in r["humming"]["error"]
     assert bh.exit_status(result) == 2
+
+
+def test_ratio_per_repetition_pairs_the_neighbours():
+    """Run T's EP8 down T=2048 (H100): the medians' ratio is 1.15, the repetitions' 1.02,
+    1.15, 1.06 as the card's clock drifted; the report shows both."""
+    reps = bh.ratio_reps([898.1, 1012.8, 1047.4], [877.3, 879.2, 988.0])
+    assert reps == pytest.approx([1.024, 1.152, 1.060], abs=1e-3)
+    assert bh.ratio_reps([1.0, 2.0], [1.0]) is None and bh.ratio_reps(None, [1.0]) is None
+    row = dict(_fake_row(config="(96,256,64) wgmma x1 ws", cos_diff=1e-8, ok=True,
+                         graph_us=200.0), ratio_reps=reps)
+    md = bh.render_markdown([row], {"calls": 20, "reps": 3})
+    assert "| 2.00 | 1.02/1.15/1.06 |" in md
