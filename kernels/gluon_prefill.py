@@ -244,7 +244,7 @@ def _schedule(tiles, SK: gl.constexpr):
 @gluon.jit
 def _sk_range(programs, shared, num_steps):
     """This program's range of the shared tiles' step pairs, ``[it, end)`` (empty past
-    ``programs``), and its count of whole tiles (``_schedule``)."""
+    ``programs``; ``_schedule``)."""
     pid = gl.program_id(0)
     total = shared.to(gl.int64) * (num_steps // 2)
     it = pid * total // programs
@@ -488,9 +488,7 @@ def _store(acc, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, BN:
                                             [0, 1, 2])
         g = gl.convert_layout(gl.reshape(acc, [2, OUT_N, BT]), e3)
         gate, up = gl.split(gl.permute(g, [1, 2, 0]))
-        gate = gate.to(gl.bfloat16).to(gl.float32)
-        up = up.to(gl.bfloat16).to(gl.float32)
-        res = gate / (1.0 + gl.exp(-gate)) * up
+        res = _silu_mul(gate, up)
     else:
         e2: gl.constexpr = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, num_warps], [0, 1])
         res = gl.convert_layout(acc, e2)
@@ -498,15 +496,22 @@ def _store(acc, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, BN:
 
 
 @gluon.jit
+def _silu_mul(gate, up):
+    """``SiLU(gate) * up`` in FP32, gate and up rounded to BF16 first (the reference's
+    order: its GEMM writes BF16, then ``silu_and_mul``)."""
+    g = gate.to(gl.bfloat16).to(gl.float32)
+    u = up.to(gl.bfloat16).to(gl.float32)
+    return g / (1.0 + gl.exp(-g)) * u
+
+
+@gluon.jit
 def _store_silu_mul(gate, up, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om,
                     BN: gl.constexpr, BT: gl.constexpr, num_warps: gl.constexpr, ok=True):
     """``out[route, n_out + n] = SiLU(gate[n, r]) * up[n, r]`` for the wide form's halves
-    (``[BN, BT]`` each, the same layout), gate and up rounded to BF16 first, as ``_store``."""
-    g = gate.to(gl.bfloat16).to(gl.float32)
-    u = up.to(gl.bfloat16).to(gl.float32)
+    (``[BN, BT]`` each, the same layout), as ``_store``."""
     tn: gl.constexpr = min(32, BN // 8)
     e2: gl.constexpr = gl.BlockedLayout([8, 1], [tn, 32 // tn], [1, num_warps], [0, 1])
-    res = gl.convert_layout(g / (1.0 + gl.exp(-g)) * u, e2)
+    res = gl.convert_layout(_silu_mul(gate, up), e2)
     _store_rows(res, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, stride_om, BN, BT, ok)
 
 
