@@ -1,4 +1,4 @@
-"""The W4A16 prefill tile in Gluon (96- or 64-row blocks): warp-specialized, ping-pong
+"""The W4A16 prefill tile in Gluon (128-, 96- or 64-row blocks): warp-specialized, ping-pong
 warpgroups, on wgmma.
 
 ``out[r, n] = sum_k x[row(r), k] * W_e[n, k]`` for the indexed routing of ``triton_w4a16``
@@ -45,6 +45,14 @@ turn and retires its wgmmas before the next; 3 ring slots (56 KB each). At 43 ro
 X is 22% of the copies (kernel_notes variant 52): the wide form took 0.92-0.94 of the 256-row
 form's time on EP8 and TP8 gate_up (variant 55), where its half as many tiles take as few
 rounds (``triton_config.choose_gluon_prefill_wide``).
+
+The *128-row* form (``triton_config.GLUON_PREFILL_TILE_128``, variant 58): one 128-row
+accumulator a consumer (128 registers), so a step's register A is dequantized and issued in
+two 64-deep parts (``k_split_of``; a part a turn, each part's wgmmas retired before the next
+part's dequantization), 3 ring slots. One N = 128 wgmma where 96 rows take an N = 64 and an
+N = 32 one, and each dequantized weight serves a third more rows: 0.91-0.96 of the 96-row
+tile's time where the padding is equal (EP8 T=2048 and 8192), so
+``triton_config.gluon_prefill_rows`` takes it where 128-row blocks pad no more rows.
 
 ``stream_k`` (opt-in, variant 56): the persistent programs share a last round under 80% full
 and the round before it by K step pairs (``_schedule``); a tile cut in two sums its pieces in
@@ -100,7 +108,7 @@ WGR = gl.constexpr(128)  # weight rows per consumer warpgroup
 # too the loader holds only X pointers, and 232 against 224 (96 rows) or 216 (64), H200, same
 # process (session 23, one run): EP8 gate_up T=2048 0.96, down 0.96, T=512 1.00-1.01; 64 rows
 # gate_up 0.98, down 1.00, TP8 gate_up T=2048 0.98. 240 spills the loader (CPU sm_90 build).
-CONSUMER_REGS = {96: 232, 64: 232}
+CONSUMER_REGS = {128: 224, 96: 232, 64: 232}
 # The consumers take turns issuing their wgmmas (_mma_steps' ME). Turns and 4 ring slots
 # against neither (3 slots), H200, same process (scripts/kernel_lab/gluon_prefill.py, session
 # 18): 0.88-0.99 of the time on EP8 T=256-8192 and TP8 gate_up T=8192, but EP8 down T=512 and
@@ -391,10 +399,37 @@ def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, 
 
 
 @gluon.jit
+def _k_part(w, s, q: gl.constexpr, ROWS: gl.constexpr, BK: gl.constexpr,
+            num_warps: gl.constexpr):
+    """Part ``q`` (0 or 1) of a step's words ``[ROWS, BK/8]`` and scales ``[ROWS, BK/32]``
+    held in registers: K ``q BK/2 ..``, in ``_operand_layouts(ROWS, BK/2)`` (the highest
+    column bit of each is a register bit, so nothing moves)."""
+    wh_l: gl.constexpr = _operand_layouts(ROWS, BK // 2, num_warps)[0]
+    sh_l: gl.constexpr = gl.SliceLayout(2, _operand_layouts(ROWS, BK // 2, num_warps)[1])
+    w0, w1 = gl.split(gl.permute(gl.reshape(w, [ROWS, 2, BK // 16]), [0, 2, 1]))
+    s0, s1 = gl.split(gl.permute(gl.reshape(s, [ROWS, 2, BK // 64]), [0, 2, 1]))
+    if q == 0:
+        return (gl.convert_layout(w0, wh_l, assert_trivial=True),
+                gl.convert_layout(s0, sh_l, assert_trivial=True))
+    else:
+        return (gl.convert_layout(w1, wh_l, assert_trivial=True),
+                gl.convert_layout(s1, sh_l, assert_trivial=True))
+
+
+@gluon.jit
+def _x_part(x_bufs, slot, q: gl.constexpr, BK: gl.constexpr, KSPLIT: gl.constexpr):
+    """A slot's X rows ``[BT, BK]`` (KSPLIT 2: part ``q``'s ``[BT, BK/2]``) as wgmma's B."""
+    x = x_bufs.index(slot)
+    if KSPLIT == 2:
+        x = x.slice(q * (BK // 2), BK // 2, dim=1)
+    return x.permute((1, 0))
+
+
+@gluon.jit
 def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
                ROWS: gl.constexpr, BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr,
                STAGES: gl.constexpr, num_warps: gl.constexpr, turn, ME: gl.constexpr,
-               PAIRS: gl.constexpr = True, HALVES: gl.constexpr = 1):
+               PAIRS: gl.constexpr = True, HALVES: gl.constexpr = 1, KSPLIT: gl.constexpr = 1):
     """A consumer's K loop over ROWS weight rows: ``[ROWS, BT0]`` and ``[ROWS, BT1]``
     accumulators; each step retires its own wgmmas (module docstring) and frees its slot.
     ``g0``: the ring position of the first step (steps this program consumed before).
@@ -406,7 +441,10 @@ def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
     else (the kernel lab's tiles) each slot its own step's.
     ``HALVES`` 2 (``BT1 == 0``): the consumer owns 2 ROWS weight rows, a slot's two ROWS-row
     halves, a ``[ROWS, BT0]`` accumulator each (returned in that order); each half is a turn
-    and retires its wgmmas before the next half is dequantized; the slot is freed after both."""
+    and retires its wgmmas before the next half is dequantized; the slot is freed after both.
+    ``KSPLIT`` 2: each (half's) step is dequantized and issued in two BK/2-deep parts, a turn
+    each, the first part's wgmmas retired before the second part is dequantized, so a 128-row
+    accumulator (128 registers) leaves room for a part's register A (32)."""
     w_l: gl.constexpr = _operand_layouts(ROWS, BK, num_warps)[0]
     s3_l: gl.constexpr = _operand_layouts(ROWS, BK, num_warps)[1]
     mma0: gl.constexpr = _mma_layout(BT0, num_warps)
@@ -419,6 +457,7 @@ def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
     if HALVES == 2:
         acc1 = gl.zeros([ROWS, BT0], gl.float32, mma0)
     s_l: gl.constexpr = gl.SliceLayout(2, s3_l)
+    sh3_l: gl.constexpr = _operand_layouts(ROWS, BK // 2, num_warps)[1]
     G: gl.constexpr = BK // 32
     s_next = gl.zeros([ROWS, G], gl.bfloat16, s_l)
     if HALVES == 2:
@@ -445,29 +484,36 @@ def _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g0, num_steps,
                         s = s_next1
             else:
                 s = sb.load(s_l)
-            a = _dequant(w, s, s3_l, ROWS, BK)
-            fence_async_shared()  # X arrived by cp.async (generic proxy); wgmma reads it (async)
-            if ME >= 0:  # consumer 0 goes first: turn h waits for consumer 1's turn h - 1
-                mbarrier.wait(turn.index(ME), ((HALVES * g + c) & 1) ^ (1 - ME))
-            a0 = gl.convert_layout(a, a0_l, assert_trivial=True)
-            if c == 0:
-                acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0,
-                                     is_async=True)
-                if BT1 > 0:
-                    a1 = gl.convert_layout(a, a1_l, assert_trivial=True)
-                    acc1 = warpgroup_mma(a1, x1_bufs.index(slot).permute((1, 0)), acc1,
+            for q in gl.static_range(KSPLIT):
+                if KSPLIT == 1:
+                    a = _dequant(w, s, s3_l, ROWS, BK)
+                else:
+                    wq, sq = _k_part(w, s, q, ROWS, BK, num_warps)
+                    a = _dequant(wq, sq, sh3_l, ROWS, BK // 2)
+                if q == 0:  # X arrived by cp.async (generic proxy); wgmma reads it (async)
+                    fence_async_shared()
+                if ME >= 0:  # consumer 0 goes first: turn h waits for consumer 1's turn h - 1
+                    turn_no = (HALVES * g + c) * KSPLIT + q
+                    mbarrier.wait(turn.index(ME), (turn_no & 1) ^ (1 - ME))
+                a0 = gl.convert_layout(a, a0_l, assert_trivial=True)
+                if c == 0:
+                    acc0 = warpgroup_mma(a0, _x_part(x0_bufs, slot, q, BK, KSPLIT), acc0,
                                          is_async=True)
-            else:
-                acc1 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc1,
-                                     is_async=True)
-            if ME >= 0:
-                mbarrier.arrive(turn.index(1 - ME))
-            if c == 0 and BT1 > 0:
-                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
-            elif c == 0:
-                acc0 = warpgroup_mma_wait(0, deps=[acc0])
-            else:
-                acc1 = warpgroup_mma_wait(0, deps=[acc1])
+                    if BT1 > 0:
+                        a1 = gl.convert_layout(a, a1_l, assert_trivial=True)
+                        acc1 = warpgroup_mma(a1, _x_part(x1_bufs, slot, q, BK, KSPLIT), acc1,
+                                             is_async=True)
+                else:
+                    acc1 = warpgroup_mma(a0, _x_part(x0_bufs, slot, q, BK, KSPLIT), acc1,
+                                         is_async=True)
+                if ME >= 0:
+                    mbarrier.arrive(turn.index(1 - ME))
+                if c == 0 and BT1 > 0:
+                    acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+                elif c == 0:
+                    acc0 = warpgroup_mma_wait(0, deps=[acc0])
+                else:
+                    acc1 = warpgroup_mma_wait(0, deps=[acc1])
         mbarrier.arrive(empty.index(slot))
     if BT1 > 0 or HALVES == 2:
         return acc0, acc1
@@ -546,7 +592,7 @@ def _consume_piece(t, first, num, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready, em
                    stride_p, grid_n, n_off, OUT_W: gl.constexpr, num_routes, stride_om,
                    BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr,
                    GATED: gl.constexpr, STAGES: gl.constexpr, ME: gl.constexpr,
-                   HALVES: gl.constexpr, SK: gl.constexpr):
+                   HALVES: gl.constexpr, SK: gl.constexpr, KSPLIT: gl.constexpr):
     """Steps ``first .. first + num`` of tile ``t`` from ring position ``g``, then the stores
     (SK: a cut tile's two pieces add their sums in ``parts_ptr`` at the boundary's slot, one
     per consumer, and the second to arrive stores). Returns the ring position after them."""
@@ -554,7 +600,8 @@ def _consume_piece(t, first, num, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready, em
     TWO: gl.constexpr = BT1 > 0 or HALVES == 2  # a second accumulator
     if gl.load(expert_ids_ptr + t // grid_n) >= 0:
         acc0, acc1 = _mma_steps(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, g,
-                                num, WGR, BK, BT0, BT1, STAGES, 4, turn, ME, HALVES=HALVES)
+                                num, WGR, BK, BT0, BT1, STAGES, 4, turn, ME, HALVES=HALVES,
+                                KSPLIT=KSPLIT)
         g += num
         n_out = (t % grid_n) * (2 * OUT_W) + n_off
         row0 = (t // grid_n) * BT
@@ -603,7 +650,7 @@ def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, o
               grid_n, grid_m, n_off, OUT_W: gl.constexpr, num_routes, stride_om,
               BK: gl.constexpr, BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr,
               STAGES: gl.constexpr, ME: gl.constexpr, HALVES: gl.constexpr,
-              SK: gl.constexpr):
+              SK: gl.constexpr, KSPLIT: gl.constexpr):
     """One warpgroup's rows (output columns ``n_off..`` of each tile, OUT_W of them) for every
     piece of this program, in the loader's order (``_schedule``)."""
     pid = gl.program_id(0)
@@ -619,7 +666,7 @@ def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, o
                                empty, turn, num_steps, out_ptr, sorted_ids_ptr, expert_ids_ptr,
                                parts_ptr, arrivals_ptr, stride_p, grid_n, n_off, OUT_W,
                                num_routes, stride_om, BK, BT0, BT1, GATED, STAGES, ME, HALVES,
-                               SK)
+                               SK, KSPLIT)
             j += own.to(gl.int32)
             it += gl.where(own, 0, num // 2)
     else:
@@ -628,7 +675,7 @@ def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, o
                                empty, turn, num_steps, out_ptr, sorted_ids_ptr, expert_ids_ptr,
                                parts_ptr, arrivals_ptr, stride_p, grid_n, n_off, OUT_W,
                                num_routes, stride_om, BK, BT0, BT1, GATED, STAGES, ME, HALVES,
-                               SK)
+                               SK, KSPLIT)
 
 
 @gluon.jit
@@ -638,7 +685,7 @@ def _w4a16_prefill_kernel(x_ptr, w_desc, s_desc, out_ptr, sorted_ids_ptr, expert
                           BT0: gl.constexpr, BT1: gl.constexpr, GATED: gl.constexpr,
                           STAGES: gl.constexpr, CREGS: gl.constexpr, ORDER: gl.constexpr,
                           BLOCKED: gl.constexpr, HALVES: gl.constexpr, SK: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          KSPLIT: gl.constexpr, num_warps: gl.constexpr):
     """Tiles ``t = program, program + programs, ..``: (``BT0 + BT1``-row block ``t //
     grid_n``, ``HALVES x 256``-weight-row tile ``t % grid_n``), each over all of K."""
     # output columns per warpgroup
@@ -663,11 +710,11 @@ def _w4a16_prefill_kernel(x_ptr, w_desc, s_desc, out_ptr, sorted_ids_ptr, expert
         (_consumer, (w0_bufs, s0_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
                      sorted_ids_ptr, expert_ids_ptr, ntp_ptr, parts_ptr, arrivals_ptr,
                      stride_p, grid_n, grid_m, 0, OUT_W, num_routes, stride_om, BK, BT0, BT1,
-                     GATED, STAGES, 0 if ORDER else -1, HALVES, SK)),
+                     GATED, STAGES, 0 if ORDER else -1, HALVES, SK, KSPLIT)),
         (_consumer, (w1_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, out_ptr,
                      sorted_ids_ptr, expert_ids_ptr, ntp_ptr, parts_ptr, arrivals_ptr,
                      stride_p, grid_n, grid_m, OUT_W, OUT_W, num_routes, stride_om, BK, BT0,
-                     BT1, GATED, STAGES, 1 if ORDER else -1, HALVES, SK)),
+                     BT1, GATED, STAGES, 1 if ORDER else -1, HALVES, SK, KSPLIT)),
     ], [4, 4], [CREGS, CREGS])
 
 
@@ -686,15 +733,25 @@ def halves_of(block_n: int, gated: bool) -> int:
 
 def _launch_options(top_k: int, block_m: int, block_k: int, num_stages: int,
                     gated: bool, order: bool = ORDERED, blocked: bool = False,
-                    halves: int = 1, stream_k: bool = False) -> dict:
+                    halves: int = 1, stream_k: bool = False, k_split: int | None = None) -> dict:
     bt0, bt1 = split_rows(block_m)
+    k_split = k_split_of(block_m) if k_split is None else k_split
+    if k_split not in (1, 2):
+        raise ValueError(f"the Gluon prefill tile issues a step in 1 or 2 parts, got {k_split}")
     if halves == 2 and (bt1 or num_stages > WIDE_STAGES):
         raise ValueError(f"the wide Gluon prefill tile (512 weight rows) takes power-of-two "
                          f"row blocks and at most {WIDE_STAGES} ring slots, got block_m "
                          f"{block_m}, num_stages {num_stages}")
     return {"TOP_K": top_k, "BK": block_k, "BT0": bt0, "BT1": bt1, "GATED": gated,
             "STAGES": num_stages, "CREGS": CONSUMER_REGS.get(block_m, 216), "ORDER": order,
-            "BLOCKED": blocked, "HALVES": halves, "SK": stream_k, "num_warps": 4}
+            "BLOCKED": blocked, "HALVES": halves, "SK": stream_k, "KSPLIT": k_split,
+            "num_warps": 4}
+
+
+def k_split_of(block_m: int) -> int:
+    """Parts a consumer dequantizes and issues a step in: 2 for 128-row blocks (a 128-row
+    accumulator and a whole step's register A run out of registers), else 1."""
+    return 2 if block_m > 96 else 1
 
 
 def _partial_sums(block_m: int, halves: int) -> int:
@@ -720,7 +777,8 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
                                    num_tokens_post_padded, top_k, out, *, num_routes, grid_m,
                                    block_m, block_n, block_k, num_stages, gated,
                                    order: bool = ORDERED, persistent: bool = PERSISTENT,
-                                   blocked: bool = False, stream_k: bool = False):
+                                   blocked: bool = False, stream_k: bool = False,
+                                   k_split: int | None = None):
     """Launch the prefill tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
     (subnormal weights, ``block_m``-row alignment) and calls this for its configs
     (``triton_config.GLUON_PREFILL_TILE``). ``block_n``: output columns per tile.
@@ -729,7 +787,7 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
     ``chordq.layout.row_blocks`` (``w_order="blocked"``). ``stream_k`` (persistent only): a
     last round of tiles under 80% full and the round before it are shared out by K steps
     (``_schedule``); a tile cut in two is summed in FP32 through ``triton_w4a16``'s stream-K
-    buffers."""
+    buffers. ``k_split``: parts a step is dequantized and issued in (default ``k_split_of``)."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
     halves = halves_of(block_n, gated)
@@ -746,7 +804,7 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
     tiles = n // block_n * grid_m
     programs = min(tiles, _num_sms(x.device)) if persistent else tiles
     opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order, blocked, halves,
-                           stream_k)
+                           stream_k, k_split)
     w_desc, s_desc = _descriptors(w_packed, w_scale, k, block_k, gated and halves == 1, blocked)
     if stream_k:  # a boundary slot per program and one more, a part per consumer
         parts, arrivals = _stream_k_buffers(x.device, 2 * (programs + 1),
@@ -764,7 +822,7 @@ def compile_sm90(block_m: int = GLUON_PREFILL_TILE.block_m,
                  block_k: int = GLUON_PREFILL_TILE.block_k,
                  num_stages: int = GLUON_PREFILL_TILE.num_stages, gated: bool = False,
                  top_k: int = 8, order: bool = ORDERED, blocked: bool = True,
-                 halves: int = 1, stream_k: bool = False):
+                 halves: int = 1, stream_k: bool = False, k_split: int | None = None):
     """The tile built for sm_90 on the CPU (``gluon_w4a16.compile_kernel_sm90``: tests, lab);
     by default the shipped one (``triton_config.GLUON_PREFILL_TILE``, ``ORDERED``);
     ``halves=2``: the wide form (512 weight rows); ``stream_k``: the stream-K schedule."""
@@ -772,7 +830,7 @@ def compile_sm90(block_m: int = GLUON_PREFILL_TILE.block_m,
     s_box, s_layout = _scales_box(block_k, gated and halves == 1)
     return compile_kernel_sm90(_w4a16_prefill_kernel,
                                _launch_options(top_k, block_m, block_k, num_stages, gated, order,
-                                               blocked, halves, stream_k),
+                                               blocked, halves, stream_k, k_split),
                                types={"w_desc": f"tensordesc<i32{box},{layout!r}>",
                                       "s_desc": f"tensordesc<bf16{s_box},{s_layout!r}>",
                                       "parts_ptr": "*fp32", "arrivals_ptr": "*i32"},

@@ -17,11 +17,15 @@ __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
            "choose_gluon_n_tiles", "choose_gluon_stream_k", "choose_gluon_split_k",
            "GLUON_STREAM_K_PER_SM",
            "GLUON_PREFILL_TILE", "GLUON_PREFILL_TILE_64", "GLUON_PREFILL_TILE_64_WIDE",
+           "GLUON_PREFILL_TILE_128", "gluon_prefill_rows",
            "choose_gluon_prefill_wide", "gluon_prefill_64_applies"]
 
 GROUP_SIZE = 32
 # token rows a block of gluon_w4a16's mma.sync decode tile holds (n8 fragments in registers)
 GLUON_DECODE_ROWS = (8, 16, 32)
+# token rows a block of gluon_prefill's tile holds (96: a 64- and a 32-row accumulator; 128:
+# one, each step dequantized and issued in two parts, gluon_prefill.k_split_of)
+GLUON_PREFILL_ROWS = (128, 96, 64)
 K_ORDERS = ("natural", "planes", "pairs", "fragments", "subnormal")
 # How the weights were converted at load time: "checkpoint" (as written), "fragments" (words in
 # chordq.layout.fragment_order), "subnormal" (those words and chordq.layout.subnormal_scales),
@@ -80,7 +84,7 @@ class W4A16Config:
         only) for ``gluon_w4a16``'s 8-row ``mma.sync`` decode tile (``block_m`` 8, ``block_k``
         256, ``num_stages`` the depth of its copy ring; with ``silu_mul`` ``block_n`` counts
         the gate and up rows together) or ``gluon_prefill``'s warp-specialized tile
-        (``block_m`` 96 or 64, 256 weight rows: ``block_n`` 256, or 128 per half with
+        (``block_m`` 128, 96 or 64, 256 weight rows: ``block_n`` 256, or 128 per half with
         ``silu_mul``; on 64-row blocks also the wide form, 512 weight rows: ``block_n`` 512, or
         256 with ``silu_mul``, at most 3 stages; ``num_warps`` 4 is its loader, two 4-warp
         consumers come on top; ``stream_k`` 1: its persistent programs share a thin last
@@ -132,7 +136,8 @@ class W4A16Config:
             plain = (self.k_order, self.max_registers,
                      self.columns_first) == ("subnormal", None, False)
             shared = self.stream_k or self.split_k > 1  # programs share a tile's K steps
-            prefill_sk = self.stream_k == 1 and self.split_k == 1 and self.block_m in (96, 64)
+            prefill_sk = (self.stream_k == 1 and self.split_k == 1
+                          and self.block_m in GLUON_PREFILL_ROWS)
             decode = (self.block_m in GLUON_DECODE_ROWS and self.block_k == 256
                       and self.block_n >= 64 and (self.n_tiles == 1 or self.num_stages >= 2
                                                   and self.block_m == 8)
@@ -140,14 +145,14 @@ class W4A16Config:
             if shared and not decode and not prefill_sk:
                 plain = False
             wide = self.block_n == 512 and self.block_m == 64 and self.num_stages <= 3
-            prefill = (self.block_m in (96, 64) and self.block_k in (64, 128, 256)
+            prefill = (self.block_m in GLUON_PREFILL_ROWS and self.block_k in (64, 128, 256)
                        and (self.block_n in (128, 256) or wide) and self.num_warps == 4
                        and self.n_tiles == 1)
             if not (plain and (decode or prefill)):
                 raise ValueError(f"the gluon backend is the decode tile (block_m 8, 16 or 32, "
                                  f"block_k 256, block_n >= 64; n_tiles > 1, stream_k or "
                                  f"split_k: 8 rows; n_tiles: 2+ stages) or the prefill tile "
-                                 f"(block_m 96 or 64, block_n 128 or 256, or 512 at block_m "
+                                 f"(block_m 128, 96 or 64, block_n 128 or 256, or 512 at block_m "
                                  f"64 and 3 stages at most, 4 loader warps, no "
                                  f"n_tiles or split_k, stream_k 0 or 1), k_order 'subnormal', no "
                                  f"max_registers or columns_first; got {self}")
@@ -192,6 +197,12 @@ GLUON_PREFILL_TILE_64 = dataclasses.replace(GLUON_PREFILL_TILE, block_m=64, num_
 # 11: choose_gluon_prefill_wide).
 GLUON_PREFILL_TILE_64_WIDE = dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=512,
                                                  num_stages=3)
+# The tile on 128-row blocks (variant 58): one 128-row accumulator a consumer, each step
+# dequantized and issued in two 64-deep parts (gluon_prefill.k_split_of: a 128-row accumulator
+# and a whole step's register A run out of registers); 3 slots (52 KB each; the store's
+# 128 x 128 FP32 layout conversion takes 32 KB of scratch beside them). One N = 128 wgmma where
+# 96 rows take an N = 64 and an N = 32 one, and each dequantized weight serves 128 rows.
+GLUON_PREFILL_TILE_128 = dataclasses.replace(GLUON_PREFILL_TILE, block_m=128, num_stages=3)
 # A wide tile's time against two 256-row tiles' (variant 55: 0.91-0.94 in equal rounds, and
 # 1.03 * 11 / 12 = 0.94 at EP8 down, where the wide grid took 6 rounds against 11)
 GLUON_PREFILL_WIDE_PAIR = 0.94
@@ -231,13 +242,15 @@ def _gluon_decode_fits(n: int, k: int, gated: bool) -> bool:
 
 
 def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = False) -> bool:
-    """Whether ``choose_row_tiles`` takes the Gluon 96-row tile (given an sm_90 GPU and
-    subnormal weights): over 64 rows per expert where 96-row blocks pad at most 5% more rows
-    than the Triton tiles would (``_triton_padded_rows``), and ``_gluon_prefill_fits``' shape
-    rule. So 85 rows take one block of 96 instead of 128, 171 two of 96 as 128 + 64, 341 four
-    as three of 128, 1365 fifteen against eleven of 128 (2% more); 97-128 rows (two blocks of
-    96 for one of 128), 150 rows for K > N (192 against 128 + 32) and 200 keep the Triton
-    tiles. Measured on the H200, same process
+    """Whether ``choose_row_tiles`` takes the Gluon prefill tile (given an sm_90 GPU and
+    subnormal weights): over 64 rows per expert where its blocks (``gluon_prefill_rows``: 96
+    or 128) pad at most 5% more rows than the Triton tiles would (``_triton_padded_rows``), and
+    ``_gluon_prefill_fits``' shape rule. So 85 rows take one block of 96 instead of 128, 171
+    two of 96 as 128 + 64, 97-128 rows one of 128, 341 three of 128, 1365 eleven of 128; 150
+    rows for K > N (192 against 128 + 32) and 200 (256 against 128 + 64 + 32) keep the Triton
+    tiles. The 128-row Gluon tile against the Triton 128-row tile at equal padding (variant 58,
+    H100, same process): EP8 T=2048 gate_up 0.88, down 0.65; T=8192 0.84 / 0.77. The 96-row
+    tile against the Triton tiles, measured on the H200, same process
     (scripts/kernel_lab/gluon_prefill.py, session 18, one or two runs), as a fraction of the
     Triton tiles' time: EP8 T=512 (85 rows) gate_up 0.85-0.89, down 0.82-0.84; T=1024 (171)
     0.82-0.92 / 0.93; T=2048 (341) 0.97-1.00 / 0.89-0.99; T=8192 (1365) 0.94 / 0.87; TP8
@@ -246,10 +259,25 @@ def gluon_prefill_applies(rows_per_expert: float, n: int, k: int, gated: bool = 
 
     :param n: output features (with ``gated``, ``silu_mul``: per half; a tile then covers 128)
     """
-    bm = GLUON_PREFILL_TILE.block_m
+    bm = gluon_prefill_rows(rows_per_expert)
     pads_less = (math.ceil(rows_per_expert / bm) * bm
                  <= 1.05 * _triton_padded_rows(rows_per_expert, n, k))
     return rows_per_expert > 64 and pads_less and _gluon_prefill_fits(n, k, gated)
+
+
+def gluon_prefill_rows(rows_per_expert: float) -> int:
+    """The Gluon prefill tile's block rows where ``gluon_prefill_applies``: 128
+    (``GLUON_PREFILL_TILE_128``) where 128-row blocks pad no more rows than 96-row ones, else
+    96. So 341 rows per expert (EP8 T=2048) take three blocks of 128 for four of 96, 1365
+    (T=8192) eleven for fifteen (1408 rows against 1440); 85 (T=512) and 171 (T=1024) keep 96.
+    Measured (variant 58, H100, same process, row-blocked words), the 128-row tile as a
+    fraction of the 96-row one's time: EP8 T=2048 gate_up 0.91 (fused 0.94), down 0.94; T=8192
+    0.96 / 0.93 / 0.95; where it pads more, EP8 T=512 (one block either way) 1.15 / 1.14 / 1.22
+    and TP8 gate_up T=8192 (171 rows: 256 against 192) 1.30 / 1.24."""
+    big = GLUON_PREFILL_TILE_128.block_m
+    bm = GLUON_PREFILL_TILE.block_m
+    fewer = math.ceil(rows_per_expert / big) * big <= math.ceil(rows_per_expert / bm) * bm
+    return big if fewer else bm
 
 
 def gluon_prefill_64_applies(rows_per_expert: float, n: int, k: int,
@@ -347,7 +375,8 @@ def choose_config(
         more than per element: big tiles, one stage
     :param gluon: the Gluon tiles can run (an sm_90 GPU: ``gluon_w4a16.gluon_ready``); with
         subnormal weights, 64-row blocks then take ``GLUON_PREFILL_TILE_64`` where
-        ``gluon_prefill_64_applies``
+        ``gluon_prefill_64_applies``, and 128-row blocks ``GLUON_PREFILL_TILE_128`` where
+        ``gluon_prefill_applies`` and ``gluon_prefill_rows`` picks them
 
     Decode (few rows per expert) is weight-bandwidth bound and, on the H200, close to
     instruction-issue bound: the smallest row tile, 256-deep K steps (128-byte weight rows per
@@ -368,6 +397,10 @@ def choose_config(
     if (gluon and block_m == 64 and w_order in SUBNORMAL_W_ORDERS and not interpret
             and gluon_prefill_64_applies(rows_per_expert, n, k, gated)):
         return dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=_gluon_prefill_out_n(gated))
+    if (gluon and block_m == 128 and w_order in SUBNORMAL_W_ORDERS and not interpret
+            and gluon_prefill_applies(rows_per_expert, n, k, gated)
+            and gluon_prefill_rows(rows_per_expert) == 128):
+        return dataclasses.replace(GLUON_PREFILL_TILE_128, block_n=_gluon_prefill_out_n(gated))
     cfg = _choose(rows_per_expert, n, k, gated, block_m, w_order != "checkpoint",
                   w_order in SUBNORMAL_W_ORDERS, interpret)
     # the subnormal tiles are the fragment tiles with the cheaper dequantization (same loads)
@@ -460,7 +493,7 @@ def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool 
     """Row-tile sizes for ``align.moe_align_mixed``: ``(8,)``, the Gluon decode tile, where
     ``gluon_decode_applies``; ``(96,)``, the Gluon prefill tile, where
     ``gluon_prefill_applies`` (``(96, 32)`` for K > N up to 96 rows per expert: a remainder of
-    up to 32 rows goes to the 32-row Triton tile); ``(128, 64, 32)`` for K > N, ``(128, 64)``
+    up to 32 rows goes to the 32-row Triton tile; ``(128,)`` where ``gluon_prefill_rows``); ``(128, 64, 32)`` for K > N, ``(128, 64)``
     otherwise, at 128-256 rows per expert; elsewhere the one ``choose_config`` block (64-row
     blocks then run the Gluon tile where ``gluon_prefill_64_applies``: ``choose_config``'s
     ``gluon``).
@@ -493,7 +526,9 @@ def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool 
             return (8,)
         if (gluon_prefill_applies(rows_per_expert, n, k, gated)
                 and (down is None or gluon_prefill_applies(rows_per_expert, *down))):
-            return (96, 32) if k > n and rows_per_expert <= 96 else (96,)
+            if k > n and rows_per_expert <= 96:
+                return (96, 32)
+            return (gluon_prefill_rows(rows_per_expert),)
     return _triton_row_tiles(rows_per_expert, n, k, interpret)
 
 

@@ -833,7 +833,7 @@ def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, 
                              w_order=w_order, interpret=device.type == "cpu",
                              gluon=indexed and _gluon_usable(device, w_order))
     if config.backend == "gluon" and (not indexed or device.type != "cuda"):
-        raise ValueError("the gluon backend (8-row decode, 96- and 64-row prefill tiles) runs "
+        raise ValueError("the gluon backend (8-row decode, 128-, 96- and 64-row prefill tiles) runs "
                          "the indexed path on an sm_90 GPU only")
     if config.split_k > 1 and not indexed:
         raise ValueError("split_k > 1 is implemented for the indexed path only")

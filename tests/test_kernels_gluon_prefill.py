@@ -12,9 +12,10 @@ import pytest
 
 from chordq.kernels import moe_align_block_size
 from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64,
-                                          GLUON_PREFILL_TILE_64_WIDE, W4A16Config,
+                                          GLUON_PREFILL_TILE_64_WIDE, GLUON_PREFILL_TILE_128,
+                                          W4A16Config,
                                           choose_config, choose_gluon_prefill_wide,
-                                          choose_row_tiles,
+                                          choose_row_tiles, gluon_prefill_rows,
                                           gluon_prefill_64_applies, gluon_prefill_applies)
 from test_kernels_gluon import (_problem, _sass, check_fused_moe_tile, check_graph_capture,
                                 check_indexed_tile, fast_weights, needs_sm90)
@@ -37,6 +38,32 @@ def test_prefill_tile_config_and_label():
         W4A16Config(96, 256, 128, 4, 3, k_order="subnormal")  # not a Triton tile
     with pytest.raises(ValueError, match="sm_90"):
         choose_config(85.3, 4096, 7168, block_m=96, w_order="subnormal", interpret=True)
+
+
+def test_128_row_tile_where_it_pads_no_more_rows():
+    """128-row blocks take the Gluon tile (``GLUON_PREFILL_TILE_128``) where the Gluon tile
+    applies and they pad no more rows than 96-row ones (``gluon_prefill_rows``); elsewhere
+    (or without an sm_90 GPU, or on fragment weights) 128-row blocks are the Triton tile's."""
+    assert GLUON_PREFILL_TILE_128.label == "128,256,128,4,3,Z,G"
+    assert [gluon_prefill_rows(r) for r in (85.3, 100, 170.7, 250, 341.3, 1365.3)] == [
+        96, 128, 96, 128, 128, 128]
+    for n, k in ((4096, 7168), (7168, 2048)):
+        assert choose_config(341.3, n, k, block_m=128, w_order="blocked",
+                             gluon=True) == GLUON_PREFILL_TILE_128
+    fused = choose_config(341.3, 2048, 7168, block_m=128, gated=True, w_order="subnormal",
+                          gluon=True)
+    assert fused == dataclasses.replace(GLUON_PREFILL_TILE_128, block_n=128)
+    for kw in ({"gluon": False}, {"w_order": "fragments"}, {"interpret": True}):
+        args = {"block_m": 128, "w_order": "subnormal", "gluon": True, **kw}
+        assert choose_config(341.3, 4096, 7168, **args).backend == "triton", kw
+    assert choose_config(110.0, 4096, 7168, block_m=128, w_order="subnormal",
+                         gluon=True) == GLUON_PREFILL_TILE_128  # 128 rows against 192
+    # 170 rows pad 256 in 128-row blocks, 192 in 96-row ones; 150 rows (K > N) keep the
+    # Triton tiles (128 + 32 rows against 192), 200 too (128 + 64 + 32 against 256): their
+    # 128-row pieces stay Triton
+    for rows in (170.7, 150.0, 200.0):
+        assert choose_config(rows, 4096, 7168, block_m=128, w_order="subnormal",
+                             gluon=True).backend == "triton"
 
 
 def test_64_row_tile_where_it_won():
@@ -158,12 +185,16 @@ def test_split_rows():
     ("EP8 gate_up T=1024", 170.7, 4096, 7168, False, None, (96,)),
     ("fused EP8 T=512", 85.3, 2048, 7168, True, (7168, 2048), (96, 32)),
     ("EP8 T=256: 43 rows, lost", 42.7, 4096, 7168, False, None, (64,)),
-    ("110 rows: two blocks of 96 for one of 128", 110.0, 4096, 7168, False, None, (128,)),
+    ("110 rows: one 128-row Gluon block", 110.0, 4096, 7168, False, None, (128,)),
     ("150 rows: 192 against 128 + 32", 150.0, 4096, 7168, False, None, (128, 64, 32)),
     ("150 rows, down: 192 against 128 + 64", 150.0, 7168, 2048, False, None, (96,)),
     ("200 rows: 288 against 224", 200.0, 4096, 7168, False, None, (128, 64, 32)),
-    ("EP8 T=2048: 341 rows", 341.3, 4096, 7168, False, None, (96,)),
-    ("EP8 down T=8192: 1440 against 1408 rows", 1365.3, 7168, 2048, False, None, (96,)),
+    ("EP8 T=2048: 341 rows, 128-row blocks", 341.3, 4096, 7168, False, None, (128,)),
+    ("fused EP8 T=2048", 341.3, 2048, 7168, True, (7168, 2048), (128,)),
+    ("EP8 down T=8192: 1408 against 1440 rows", 1365.3, 7168, 2048, False, None, (128,)),
+    ("EP8 T=3072: 512 rows, 4 x 128 against 6 x 96", 512.0, 4096, 7168, False, None, (128,)),
+    ("300 rows: 384 against 384", 300.0, 7168, 2048, False, None, (128,)),
+    ("270 rows: 384 against 288", 270.0, 7168, 2048, False, None, (96,)),
     ("TP8 gate_up T=8192: N=512", 170.7, 512, 7168, False, None, (96,)),
     ("TP8 gate_up T=2048: 43 rows", 42.7, 512, 7168, False, None, (64,)),
     ("fused TP8 T=8192: down K=256", 170.7, 256, 7168, True, (7168, 256), (128, 64, 32)),
@@ -194,13 +225,16 @@ def test_gluon_prefill_applies_needs_whole_tiles_and_deep_k():
 @pytest.mark.usefixtures("real_triton_compile")
 @pytest.mark.parametrize("block_m, gated, accumulators, halves", [
     (96, False, {"64", "32"}, 1), (96, True, {"64", "32"}, 1), (64, False, {"64"}, 1),
-    (64, True, {"64"}, 1), (64, False, {"64"}, 2), (64, True, {"64"}, 2)],
-    ids=["96-plain", "96-silu_mul", "64-plain", "64-silu_mul", "wide-plain", "wide-silu_mul"])
+    (64, True, {"64"}, 1), (64, False, {"64"}, 2), (64, True, {"64"}, 2),
+    (128, False, {"128"}, 1), (128, True, {"128"}, 1)],
+    ids=["96-plain", "96-silu_mul", "64-plain", "64-silu_mul", "wide-plain", "wide-silu_mul",
+         "128-plain", "128-silu_mul"])
 def test_sm90_build_is_warp_specialized_wgmma_without_spills(block_m, gated, accumulators,
                                                              halves):
     """What the tile is, checked in its SASS: register reallocation between the loader and
     the consumer warpgroups (``setmaxnreg``), wgmmas on register A with 64- and 32-row
-    accumulators (96-row blocks: ``HGMMA.64x64x16``, ``HGMMA.64x32x16``) or one 64-row one,
+    accumulators (96-row blocks: ``HGMMA.64x64x16``, ``HGMMA.64x32x16``) or one 64- or
+    128-row one (128 rows: a step in two parts, as many wgmmas as one 64-row accumulator),
     the words and scales by TMA (``UTMALDG``) and the X rows by cp.async, all signalling
     mbarriers, ldmatrix reads, and no local-memory spills. (Whether ptxas keeps a step's 32
     wgmmas in one group depends on the Triton: 3.6, on the H200, does; 3.9's build serializes
@@ -208,7 +242,8 @@ def test_sm90_build_is_warp_specialized_wgmma_without_spills(block_m, gated, acc
     pytest.importorskip("triton.experimental.gluon")
     from chordq.kernels import gluon_prefill
 
-    tile = GLUON_PREFILL_TILE_64 if block_m == 64 else GLUON_PREFILL_TILE
+    tile = {64: GLUON_PREFILL_TILE_64, 96: GLUON_PREFILL_TILE,
+            128: GLUON_PREFILL_TILE_128}[block_m]
     if halves == 2:
         tile = GLUON_PREFILL_TILE_64_WIDE
     kernel = gluon_prefill.compile_sm90(block_m=block_m, gated=gated,
@@ -322,6 +357,30 @@ def test_64_row_tile_matches_the_reference(monkeypatch, e, n, k, m, top_k, local
     tile = GLUON_PREFILL_TILE_64_WIDE if wide else GLUON_PREFILL_TILE_64
     cfg = dataclasses.replace(tile, block_n=tile.block_n // (2 if activation else 1))
     check_indexed_tile(64, e, n, k, m, top_k, local, activation, config=cfg, w_order=w_order)
+
+
+@pytest.mark.parametrize("w_order", ["blocked", "subnormal"])
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@pytest.mark.parametrize("block_m, e, n, k, m, top_k, local", [
+    (128, 4, 1024, 2048, 200, 2, None),  # 16 K steps; 100 rows per expert: a partial block
+    (128, 3, 512, 256, 400, 2, None),  # 2 K steps (under the ring's slots); 2 blocks an expert
+    (128, 4, 512, 2048, 150, 3, 3),  # expert_map: a remote expert (id -1), its rows untouched
+    (96, 4, 1024, 2048, 200, 2, None),  # 96 rows issued in two parts (the lab's k_split 2)
+], ids=["128-16-steps", "128-2-steps", "128-remote", "96-two-parts"])
+@needs_sm90
+def test_k_split_tile_matches_the_reference(monkeypatch, block_m, e, n, k, m, top_k, local,
+                                            activation, w_order):
+    """The 128-row tile (``GLUON_PREFILL_TILE_128``: one 128-row accumulator, each step
+    dequantized and issued in two 64-deep parts, ``gluon_prefill.k_split_of``), and the
+    96-row tile issued in two parts, persistent over 3 programs as on a GPU with 3 SMs."""
+    from chordq.kernels import gluon_prefill
+
+    monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
+    monkeypatch.setattr(gluon_prefill, "k_split_of", lambda block_m: 2)
+    tile = GLUON_PREFILL_TILE_128 if block_m == 128 else GLUON_PREFILL_TILE
+    cfg = dataclasses.replace(tile, block_n=tile.block_n // (2 if activation else 1))
+    check_indexed_tile(block_m, e, n, k, m, top_k, local, activation, config=cfg,
+                       w_order=w_order)
 
 
 @pytest.mark.parametrize("activation", [None, "silu_mul"])

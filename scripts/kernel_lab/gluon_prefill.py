@@ -20,7 +20,7 @@ GPU only (no interpreter); the CPU compiles the lockstep tiles for sm_90 (Triton
 PYTHONPATH): ``python scripts/kernel_lab/gluon_prefill.py --sass`` prints loop lengths,
 registers and spills. On the GPU: ``OUT=/tmp/lab [GLUON_HUMMING=.whl] [PREFILL_T="256 512"]
 [PREFILL_TILES="BN,BK,BT0,BT1,STAGES,WARPS,LW[,A_SMEM[,CTAS[,LREGS]]] ..."]
-[PREFILL_PP="BM,BK,STAGES[,ORDER[,PERSIST]] ..."] [PREFILL_MIXED="96,32 ..."]
+[PREFILL_PP="BM,BK,STAGES[,ORDER[,PERSIST[,HALVES[,SK[,KS]]]]] ..."] [PREFILL_MIXED="96,32 ..."]
 [PREFILL_AB="gluon_prefill_base ..."] python scripts/kernel_lab/gluon_prefill.py`` checks
 every tile against the reference (cos_diff; fused SiLU-and-mul too for the ping-pong tile and
 the mixed sizes) and times it against the shipped Triton tiles (and Humming), interleaved CUDA
@@ -263,14 +263,15 @@ def parse_tile(text: str) -> tuple[int, ...]:
     return tuple(v + [0, 1, 56][len(v) - 7:])
 
 
-def parse_pp(text: str) -> tuple[int, int, int, int, int, int, int]:
+def parse_pp(text: str) -> tuple[int, int, int, int, int, int, int, int]:
     """The ping-pong tile (kernels/gluon_prefill.py) as
-    ``BM,BK,STAGES[,ORDER[,PERSIST[,HALVES[,SK]]]]``: BM (96: 64 + 32 rows), ORDER 1 where the
-    consumers take turns issuing wgmmas, PERSIST 1 for one program per SM walking the tiles, 0
-    for one per tile, HALVES 2 for the wide form (512 weight rows a tile), SK 1 for the
-    stream-K schedule (defaults: ``ORDERED``, ``PERSISTENT``, 1, 0)."""
+    ``BM,BK,STAGES[,ORDER[,PERSIST[,HALVES[,SK[,KS]]]]]``: BM (96: 64 + 32 rows), ORDER 1
+    where the consumers take turns issuing wgmmas, PERSIST 1 for one program per SM walking
+    the tiles, 0 for one per tile, HALVES 2 for the wide form (512 weight rows a tile), SK 1
+    for the stream-K schedule, KS the parts a step is issued in, 0 for ``k_split_of``'s
+    (defaults: ``ORDERED``, ``PERSISTENT``, 1, 0, 0)."""
     v = [int(x) for x in text.split(",")]
-    return tuple(v + [int(ORDERED), int(PERSISTENT), 1, 0][len(v) - 3:])
+    return tuple(v + [int(ORDERED), int(PERSISTENT), 1, 0, 0][len(v) - 3:])
 
 
 # PREFILL_AB="gluon_prefill_base ...": copies of kernels/gluon_prefill.py (say, from another
@@ -316,6 +317,10 @@ def sass_main() -> None:
 MIXED = [tuple(int(v) for v in t.split(",")) for t in os.environ.get("PREFILL_MIXED", "").split()]
 ROWS = ([("EP8", proj, t) for t in (256, 512, 1024, 2048, 8192) for proj in ("gate_up", "down")]
         + [("TP8", "gate_up", t) for t in (2048, 8192)])
+# PREFILL_T entries "LAYOUT/T" off that list (say EP8/660: 110 rows an expert) add both GEMMs
+ROWS += [(layout, proj, int(t)) for layout, t in (e.split("/") for e in os.environ.get(
+    "PREFILL_T", "").split() if "/" in e) if not any(r[0] == layout and r[2] == int(t)
+                                                     for r in ROWS) for proj in ("gate_up", "down")]
 
 
 def gpu_main() -> None:
@@ -332,12 +337,13 @@ def gpu_main() -> None:
                 prefill_gemm(c.x, c.wf, c.sf, *a, nb, c.p.top_k, out, bn=t[0], bk=t[1],
                              bt0=t[2], bt1=t[3], stages=t[4], warps=t[5], lw=t[6], a_smem=t[7],
                              ctas=t[8], lregs=t[9]))
-        for bm, bk, stages, order, persist, halves, sk in PP_TILES:  # the shipped tile
+        for bm, bk, stages, order, persist, halves, sk, ks in PP_TILES:  # the shipped tile
             for (name, launcher), gated in itertools.product(
                     PP_COPIES, (False, True) if c.proj == "gate_up" else (False,)):
                 add(f"{name} {bm}x{bk} s{stages}" + " o" * order + " p" * persist
-                    + " w" * (halves - 1) + " sk" * sk + (" fused" if gated else ""), bm,
-                    lambda out, a, nb, t=(bm, bk, stages, order, persist, halves, sk),
+                    + " w" * (halves - 1) + " sk" * sk + f" ks{ks}" * bool(ks)
+                    + (" fused" if gated else ""), bm,
+                    lambda out, a, nb, t=(bm, bk, stages, order, persist, halves, sk, ks),
                     gated=gated,
                     launcher=launcher, blocked=BLOCKED and not name.endswith("c8k"): launcher(
                         c.x, *(c.extra if blocked else (c.wf, c.sf)), *a, c.p.top_k, out,
@@ -345,7 +351,8 @@ def gpu_main() -> None:
                         block_n=(128 if gated else 256) * t[5], block_k=t[1],
                         num_stages=t[2], gated=gated, order=bool(t[3]),
                         persistent=bool(t[4]), blocked=blocked,
-                        **({"stream_k": True} if t[6] else {})),
+                        **({"stream_k": True} if t[6] else {}),
+                        **({"k_split": t[7]} if t[7] else {})),
                     act="silu_mul" if gated else None)
 
         for sizes in MIXED:  # the shipped tiles' launches over moe_align_mixed pieces
