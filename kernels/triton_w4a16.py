@@ -883,8 +883,8 @@ def _launch_args(cfg: W4A16Config, gated: bool, n: int, w_order: str) -> dict:
 def row_tiles(rows_per_expert: float, n: int, k: int, num_experts: int, device: torch.device,
               w_order: str, *, gated: bool = False, down: tuple[int, int] | None = None
               ) -> tuple[int, ...]:
-    """``triton_config.choose_row_tiles`` for ``device``: the Gluon tiles (8-row decode, 96-row
-    prefill) are candidates on an sm_90 GPU with subnormal weights (``gluon_w4a16.gluon_ready``;
+    """``triton_config.choose_row_tiles`` for ``device``: the Gluon tiles (8-row decode, 96- and
+    128-row prefill) are candidates on an sm_90 GPU with subnormal weights (``gluon_w4a16.gluon_ready``;
     where ``down`` is given, only if they apply to that GEMM on the same blocks too)."""
     device = torch.device(device)
     experts = num_experts if _gluon_usable(device, w_order) else 0
