@@ -95,7 +95,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gluon_w4a16 import _barrier, _cp_async, _dequant, _operand_layouts, compile_kernel_sm90
-from .triton_config import GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64_WIDE
+from .triton_config import GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64_WIDE, GLUON_PREFILL_TILE_128
 from .triton_w4a16 import _num_sms, _stream_k_buffers
 
 __all__ = ["compile_sm90", "halves_of", "moe_gemm_indexed_gluon_prefill", "split_rows",
@@ -121,6 +121,9 @@ PERSISTENT = True
 # Ring slots of the wide form (two 128-row halves a consumer, 512 weight rows a tile, 64-row
 # blocks): 56 KB a slot at 128-deep steps, so 3 (205 KB); 4 (262 KB) exceed an SM's 227 KB.
 WIDE_STAGES = GLUON_PREFILL_TILE_64_WIDE.num_stages
+# Ring slots of the 128-row form: 52 KB a slot, and its store's 128 x 128 FP32 layout conversion
+# takes 32 KB of scratch beside the ring, so 3 (a fourth exceeds an SM's 227 KB).
+ROWS128_STAGES = GLUON_PREFILL_TILE_128.num_stages
 
 
 def split_rows(block_m: int) -> tuple[int, int]:
@@ -735,6 +738,9 @@ def _launch_options(top_k: int, block_m: int, block_k: int, num_stages: int,
                     gated: bool, order: bool = ORDERED, blocked: bool = False,
                     halves: int = 1, stream_k: bool = False, k_split: int | None = None) -> dict:
     bt0, bt1 = split_rows(block_m)
+    if block_m == 128 and num_stages > ROWS128_STAGES:
+        raise ValueError(f"the 128-row Gluon prefill tile takes at most {ROWS128_STAGES} ring "
+                         f"slots (shared memory), got num_stages {num_stages}")
     k_split = k_split_of(block_m) if k_split is None else k_split
     if k_split not in (1, 2):
         raise ValueError(f"the Gluon prefill tile issues a step in 1 or 2 parts, got {k_split}")

@@ -278,6 +278,21 @@ def test_wide_ring_is_as_deep_as_shared_memory_allows():
 
 
 @pytest.mark.usefixtures("real_triton_compile")
+def test_128_row_ring_fits_shared_memory():
+    """The 128-row form's 3 slots and its store's scratch fit an SM's shared memory; a
+    fourth slot would not, so the launch refuses it with a one-line error."""
+    pytest.importorskip("triton.experimental.gluon")
+    from chordq.kernels import gluon_prefill
+
+    stages = gluon_prefill.ROWS128_STAGES
+    assert stages == GLUON_PREFILL_TILE_128.num_stages == 3
+    shared = gluon_prefill.compile_sm90(block_m=128, num_stages=stages).metadata.shared
+    assert shared <= SMEM_PER_BLOCK < shared + 52 * 1024  # one more slot's words, scales, X
+    with pytest.raises(ValueError, match="128-row"):
+        gluon_prefill.compile_sm90(block_m=128, num_stages=stages + 1)
+
+
+@pytest.mark.usefixtures("real_triton_compile")
 def test_sm90_build_takes_turns_at_the_tensor_cores():
     """The shipped build (``gluon_prefill.ORDERED``) has each consumer wait for its turn
     before its wgmmas and hand the turn on after them: one more mbarrier wait and one more
@@ -384,18 +399,20 @@ def test_k_split_tile_matches_the_reference(monkeypatch, block_m, e, n, k, m, to
 
 
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
-@pytest.mark.parametrize("block_m, wide", [(96, False), (64, False), (64, True)],
-                         ids=["96", "64", "wide"])
+@pytest.mark.parametrize("block_m, wide", [(96, False), (64, False), (64, True), (128, False)],
+                         ids=["96", "64", "wide", "128"])
 @needs_sm90
 def test_stream_k_tile_matches_the_reference(monkeypatch, block_m, wide, activation):
-    """The stream-K schedule (``stream_k=1``) over 3 programs, as on a GPU with 3 SMs: 4
+    """The stream-K schedule (``stream_k=1``) over 3 programs, as on a GPU with 3 SMs (the
+    128-row form: each step in two parts, not yet run on a GPU when written): 4
     blocks x 4 column tiles (wide: 2) leave a last round of 1 (2) tile, so the last 4 (5)
     tiles are shared by K steps (16 steps, cut at pairs) and most of them cut in two, summed
     through the stream-K buffers; twice, as the buffers must be left zero."""
     from chordq.kernels import gluon_prefill
 
     monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
-    tile = GLUON_PREFILL_TILE if block_m == 96 else GLUON_PREFILL_TILE_64
+    tile = {96: GLUON_PREFILL_TILE, 64: GLUON_PREFILL_TILE_64,
+            128: GLUON_PREFILL_TILE_128}[block_m]
     if wide:
         tile = GLUON_PREFILL_TILE_64_WIDE
     cfg = dataclasses.replace(tile, block_n=tile.block_n // (2 if activation else 1),

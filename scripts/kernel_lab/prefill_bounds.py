@@ -44,8 +44,8 @@ import os
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "kernels")
 
 ACC0 = "    acc0 = gl.zeros([ROWS, BT0], gl.float32, mma0)\n"
-MMA0 = ("                acc0 = warpgroup_mma(a0, x0_bufs.index(slot).permute((1, 0)), acc0,\n"
-        "                                     is_async=True)\n")
+MMA0 = ("                    acc0 = warpgroup_mma(a0, _x_part(x0_bufs, slot, q, BK, KSPLIT), acc0,\n"
+        "                                         is_async=True)\n")
 NOX = ("            _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)\n", "")
 
 
@@ -100,13 +100,13 @@ def _x_line_ptrs(x_ptr, sorted_ids_ptr, row0, num_routes, stride_xm, TOP_K: gl.c
 
 @gluon.jit
 def _tile_count(""")]
-DEQUANT = "            a = _dequant(w, s, s3_l, ROWS, BK)\n"
+DEQUANT = "                    a = _dequant(w, s, s3_l, ROWS, BK)\n"
 EDITS = {
     "gluon_prefill_n32": [
         ("    mma0: gl.constexpr = _mma_layout(BT0, num_warps)\n",
          "    mma0: gl.constexpr = _mma_layout(BT0 // 2, num_warps)\n"),
         (ACC0, "    acc0 = gl.zeros([ROWS, BT0 // 2], gl.float32, mma0)\n"),
-        (MMA0, "                acc0 = warpgroup_mma(a0, x0_bufs.index(slot).slice(0, BT0 // 2)"
+        (MMA0, "                    acc0 = warpgroup_mma(a0, x0_bufs.index(slot).slice(0, BT0 // 2)"
                ".permute((1, 0)), acc0, is_async=True)\n"),
         ("            _store(acc0, out_ptr, sorted_ids_ptr, row0, n_out, num_routes, "
          "stride_om, WGR,\n                   BT0, GATED, 4, ok)\n",
@@ -117,7 +117,7 @@ EDITS = {
         NOX,
     ],
     "gluon_prefill_nodq": [
-        (DEQUANT, "            a = gl.zeros([ROWS, BK], gl.bfloat16, a0_l)\n"),
+        (DEQUANT, "                    a = gl.zeros([ROWS, BK], gl.bfloat16, a0_l)\n"),
     ],
     "gluon_prefill_copies": [CUT],
     "gluon_prefill_copies_nox": [CUT, NOX],
