@@ -766,16 +766,20 @@ def _partial_sums(block_m: int, halves: int) -> int:
     return WGR.value * (bt0 + (bt0 if halves == 2 else bt1))
 
 
-def _descriptors(w_packed, w_scale, k: int, block_k: int, split: bool, blocked: bool):
+def _descriptors(w_packed, w_scale, k: int, block_k: int, split: bool, blocked: bool,
+                 first_row: int = 0):
     """TMA descriptors of the words and scales: rows of K/8 words and K/32 scales, or with
     ``blocked`` (``chordq.layout.row_blocks``) rows of one piece, 32 words and 8 scales;
-    ``split``: boxes of 64 rows (the 256-row form's gate or up half), else 128."""
+    ``split``: boxes of 64 rows (the 256-row form's gate or up half), else 128.
+    ``first_row`` (a multiple of 128): the descriptors start that many weight rows in, so the
+    kernel's row ``e N + n`` reads ``e N + first_row + n`` (a launch over later columns)."""
+    skip = first_row // 128 * (k // 256) * 128 if blocked else first_row  # descriptor rows
     box, layout = _words_box(block_k, split)
-    w_desc = TensorDescriptor.from_tensor(w_packed.view(-1, 32 if blocked else k // 8), box,
-                                          layout)
+    words = w_packed.view(-1, 32 if blocked else k // 8)[skip:]
+    w_desc = TensorDescriptor.from_tensor(words, box, layout)
     box, layout = _scales_box(block_k, split)
-    s_desc = TensorDescriptor.from_tensor(w_scale.view(-1, 8 if blocked else k // 32), box,
-                                          layout)
+    scales = w_scale.view(-1, 8 if blocked else k // 32)[skip:]
+    s_desc = TensorDescriptor.from_tensor(scales, box, layout)
     return w_desc, s_desc
 
 
@@ -784,7 +788,8 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
                                    block_m, block_n, block_k, num_stages, gated,
                                    order: bool = ORDERED, persistent: bool = PERSISTENT,
                                    blocked: bool = False, stream_k: bool = False,
-                                   k_split: int | None = None):
+                                   k_split: int | None = None,
+                                   columns: tuple[int, int] | None = None):
     """Launch the prefill tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
     (subnormal weights, ``block_m``-row alignment) and calls this for its configs
     (``triton_config.GLUON_PREFILL_TILE``). ``block_n``: output columns per tile.
@@ -793,13 +798,20 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
     ``chordq.layout.row_blocks`` (``w_order="blocked"``). ``stream_k`` (persistent only): a
     last round of tiles under 80% full and the round before it are shared out by K steps
     (``_schedule``); a tile cut in two is summed in FP32 through ``triton_w4a16``'s stream-K
-    buffers. ``k_split``: parts a step is dequantized and issued in (default ``k_split_of``)."""
+    buffers. ``k_split``: parts a step is dequantized and issued in (default ``k_split_of``).
+    ``columns``: ``(lo, hi)``, compute only output columns ``lo..hi`` (``out``'s others are
+    left as they are): a launch of one tile form over part of N, beside another form's launch
+    over the rest (the descriptors and ``out`` start at ``lo``; the kernel is unchanged)."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
+    lo, hi = columns or (0, n)
     halves = halves_of(block_n, gated)
-    if k % (2 * block_k) or n % block_n:  # scales: a TMA box covers two steps
+    if k % (2 * block_k) or (hi - lo) % block_n:  # scales: a TMA box covers two steps
         raise ValueError(f"the Gluon prefill tile needs K % {2 * block_k} == 0 and N % "
-                         f"{block_n} == 0, got K={k}, N={n}")
+                         f"{block_n} == 0, got K={k}, N={hi - lo}")
+    if not 0 <= lo < hi <= n or lo % 128:
+        raise ValueError(f"columns must be 0 <= lo < hi <= N={n} with lo a multiple of 128, "
+                         f"got {columns}")
     if x.stride(1) != 1 or x.stride(0) % 8:
         raise ValueError("the Gluon prefill tile needs X rows contiguous and 16-byte aligned")
     if blocked and block_k > 128:  # two steps' scales: one piece's 8
@@ -807,20 +819,21 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
                          f"{block_k}")
     if stream_k and not persistent:
         raise ValueError("stream_k shares the persistent programs' last rounds: persistent only")
-    tiles = n // block_n * grid_m
+    tiles = (hi - lo) // block_n * grid_m
     programs = min(tiles, _num_sms(x.device)) if persistent else tiles
     opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order, blocked, halves,
                            stream_k, k_split)
-    w_desc, s_desc = _descriptors(w_packed, w_scale, k, block_k, gated and halves == 1, blocked)
+    w_desc, s_desc = _descriptors(w_packed, w_scale, k, block_k, gated and halves == 1, blocked,
+                                  lo)
     if stream_k:  # a boundary slot per program and one more, a part per consumer
         parts, arrivals = _stream_k_buffers(x.device, 2 * (programs + 1),
                                             _partial_sums(block_m, halves) // 2)
     else:
         parts, arrivals = out, sorted_token_ids  # not read
     _w4a16_prefill_kernel[(programs,)](
-        x, w_desc, s_desc, out, sorted_token_ids, expert_ids, num_tokens_post_padded, parts,
-        arrivals, n, k, num_routes, x.stride(0), out.stride(0), parts.stride(0), n // block_n,
-        grid_m, maxnreg=_MAXNREG, **opts)
+        x, w_desc, s_desc, out[:, lo:], sorted_token_ids, expert_ids, num_tokens_post_padded,
+        parts, arrivals, n, k, num_routes, x.stride(0), out.stride(0), parts.stride(0),
+        (hi - lo) // block_n, grid_m, maxnreg=_MAXNREG, **opts)
     return out
 
 

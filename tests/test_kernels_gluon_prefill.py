@@ -423,6 +423,35 @@ def test_stream_k_tile_matches_the_reference(monkeypatch, block_m, wide, activat
                            w_order="blocked")
 
 
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@needs_sm90
+def test_column_ranges_add_up_to_the_whole_gemm(monkeypatch, activation):
+    """Two launches over column ranges (``columns``, not yet run on a GPU when written): the
+    wide 64-row form over the first half of the output columns and the 256-row form over the
+    rest make the whole GEMM (the descriptors and ``out`` start at the range), each persistent
+    over 3 programs as on a GPU with 3 SMs."""
+    from chordq.kernels import gluon_prefill
+
+    monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
+    gated = activation is not None
+    n_w, top_k, m = 2048, 2, 100
+    n_out = n_w // 2 if gated else n_w
+    wide_n, narrow_n = (256, 128) if gated else (512, 256)  # output columns a tile
+
+    def launch(x, w, s, aligned, out):
+        grid_m = min(aligned[1].numel(), m * top_k)
+        for lo, hi, block_n, stages in ((0, n_out // 2, wide_n, 3),
+                                        (n_out // 2, n_out, narrow_n, 5)):
+            gluon_prefill.moe_gemm_indexed_gluon_prefill(
+                x, w, s, *aligned, top_k, out, num_routes=m * top_k, grid_m=grid_m,
+                block_m=64, block_n=block_n, block_k=128, num_stages=stages, gated=gated,
+                blocked=True, columns=(lo, hi))
+        return out
+
+    check_indexed_tile(64, 4, n_w, 2048, m, top_k, None, activation, w_order="blocked",
+                       launch=launch)
+
+
 @needs_sm90
 def test_indexed_heuristic_takes_the_64_row_tile_on_sm90():
     from chordq.kernels.triton_w4a16 import indexed_config

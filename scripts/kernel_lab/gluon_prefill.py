@@ -323,6 +323,25 @@ ROWS += [(layout, proj, int(t)) for layout, t in (e.split("/") for e in os.envir
                                                      for r in ROWS) for proj in ("gate_up", "down")]
 
 
+# PREFILL_SPLIT="64,6656 ...": block rows and the columns of a wide-form launch; a 256-row
+# launch takes the rest (plain GEMMs): where neither grid alone fills its last round (EP8
+# down T=256: 1344 256-row tiles are 10.18 rounds of 132 SMs, 672 wide ones 5.09; 624 wide
+# and 96 256-row ones: 4.73 and 0.73), so fewer rounds between the two (variant 57's times)
+SPLITS = [tuple(int(v) for v in t.split(",")) for t in os.environ.get("PREFILL_SPLIT",
+                                                                       "").split()]
+
+
+def _split_launch(c, out, a, nb, bm, wide_n, n_out):
+    words, scales = c.extra if BLOCKED else (c.wf, c.sf)
+    for lo, hi, block_n, stages in ((0, wide_n, 512, 3), (wide_n, n_out, 256, 5 if bm == 64
+                                                                         else 4)):
+        moe_gemm_indexed_gluon_prefill(
+            c.x, words, scales, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb, block_m=bm,
+            block_n=block_n, block_k=128, num_stages=stages, gated=False, blocked=BLOCKED,
+            columns=(lo, hi))
+    return out
+
+
 def gpu_main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import contest
@@ -354,6 +373,14 @@ def gpu_main() -> None:
                         **({"stream_k": True} if t[6] else {}),
                         **({"k_split": t[7]} if t[7] else {})),
                     act="silu_mul" if gated else None)
+
+        for bm, wide_n in SPLITS:  # wide tiles over columns [0, wide_n), 256-row over the rest
+            n_out = c.p.n
+            if n_out <= wide_n or wide_n % 512 or (n_out - wide_n) % 256:
+                continue
+            add(f"split {bm} wide<{wide_n}", bm,
+                lambda out, a, nb, bm=bm, wide_n=wide_n, n_out=n_out: _split_launch(
+                    c, out, a, nb, bm, wide_n, n_out))
 
         for sizes in MIXED:  # the shipped tiles' launches over moe_align_mixed pieces
             pieces = align_row_tiles(c.topk, sizes, c.p.num_experts)
