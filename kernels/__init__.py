@@ -5,8 +5,8 @@ codes per word along K (lowest nibble first, code = q + 8), BF16 scales ``[E, N,
 
 Modules: ``reference`` (plain-PyTorch oracles + routing), ``align`` (moe_align_block_size,
 moe_align_mixed), ``triton_w4a16`` (grouped GEMMs), ``gluon_w4a16`` (the 8-row decode tile
-in Gluon) and ``gluon_prefill`` (the 128-, 96- and 64-row warp-specialized prefill tile; both sm_90 only,
-picked by the heuristic), ``triton_moe_sum`` (top-k sum),
+in Gluon) and ``gluon_prefill`` (the 128-, 96- and 64-row warp-specialized prefill tile; both
+sm_90 only, picked by the heuristic), ``triton_moe_sum`` (top-k sum),
 ``triton_config`` (tile heuristic), ``moe`` (fused_moe dispatch, prepare_weights), ``bench``
 (H200 benchmark), ``bench_humming`` (the same kernels side by side with humming-kernels, same
 process and inputs).

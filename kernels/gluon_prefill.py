@@ -12,11 +12,11 @@ the same dequantized registers (two wgmmas per step), 96 rows. And Triton 3.6 do
 warp-specialize this loop; Gluon states the partitions:
 
 - the *loader* (the default partition, 4 warps, few registers) fills a shared ring (4 slots
-  at 96 rows, 5 at 64) with each 128-deep K step: the words by TMA (one box per consumer, on
-  the slot's ``ready`` mbarrier with the step's byte count), the scales by TMA too, every
-  other step for two steps (a step's 8 bytes a row are under TMA's 16-byte box minimum; the
-  consumers keep the second step's in registers), and the gathered X rows by 16-byte
-  ``cp.async`` (``cp.async.mbarrier.arrive.noinc``: one arrival per loader thread, when its
+  at 96 rows, 5 at 64, 3 at 128) with each 128-deep K step: the words by TMA (one box per
+  consumer, on the slot's ``ready`` mbarrier with the step's byte count), the scales by TMA
+  too, every other step for two steps (a step's 8 bytes a row are under TMA's 16-byte box
+  minimum; the consumers keep the second step's in registers), and the gathered X rows by
+  16-byte ``cp.async`` (``cp.async.mbarrier.arrive.noinc``: one arrival per loader thread, when its
   copies land).
   TMA frees the loader's registers for the consumers (``CONSUMER_REGS``; kernel_notes
   variant 35) and spares the scales' 8-byte copies, a cache line per row (variant 41);
@@ -108,7 +108,8 @@ WGR = gl.constexpr(128)  # weight rows per consumer warpgroup
 # too the loader holds only X pointers, and 232 against 224 (96 rows) or 216 (64), H200, same
 # process (session 23, one run): EP8 gate_up T=2048 0.96, down 0.96, T=512 1.00-1.01; 64 rows
 # gate_up 0.98, down 1.00, TP8 gate_up T=2048 0.98. 240 spills the loader (CPU sm_90 build).
-CONSUMER_REGS = {128: 224, 96: 232, 64: 232}
+# 32 (the lab's, variant 60, not yet run): as at 64 rows, no spills in the sm_90 build.
+CONSUMER_REGS = {128: 224, 96: 232, 64: 232, 32: 232}
 # The consumers take turns issuing their wgmmas (_mma_steps' ME). Turns and 4 ring slots
 # against neither (3 slots), H200, same process (scripts/kernel_lab/gluon_prefill.py, session
 # 18): 0.88-0.99 of the time on EP8 T=256-8192 and TP8 gate_up T=8192, but EP8 down T=512 and

@@ -833,8 +833,8 @@ def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, 
                              w_order=w_order, interpret=device.type == "cpu",
                              gluon=indexed and _gluon_usable(device, w_order))
     if config.backend == "gluon" and (not indexed or device.type != "cuda"):
-        raise ValueError("the gluon backend (8-row decode, 128-, 96- and 64-row prefill tiles) runs "
-                         "the indexed path on an sm_90 GPU only")
+        raise ValueError("the gluon backend (8-row decode, 128-, 96- and 64-row prefill tiles) "
+                         "runs the indexed path on an sm_90 GPU only")
     if config.split_k > 1 and not indexed:
         raise ValueError("split_k > 1 is implemented for the indexed path only")
     want = K_ORDER_OF[w_order]
@@ -884,8 +884,9 @@ def row_tiles(rows_per_expert: float, n: int, k: int, num_experts: int, device: 
               w_order: str, *, gated: bool = False, down: tuple[int, int] | None = None
               ) -> tuple[int, ...]:
     """``triton_config.choose_row_tiles`` for ``device``: the Gluon tiles (8-row decode, 96- and
-    128-row prefill) are candidates on an sm_90 GPU with subnormal weights (``gluon_w4a16.gluon_ready``;
-    where ``down`` is given, only if they apply to that GEMM on the same blocks too)."""
+    128-row prefill) are candidates on an sm_90 GPU with subnormal weights
+    (``gluon_w4a16.gluon_ready``; where ``down`` is given, only if they apply to that GEMM on
+    the same blocks too)."""
     device = torch.device(device)
     experts = num_experts if _gluon_usable(device, w_order) else 0
     return triton_config.choose_row_tiles(rows_per_expert, n, k, interpret=device.type == "cpu",

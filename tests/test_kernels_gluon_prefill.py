@@ -452,6 +452,30 @@ def test_column_ranges_add_up_to_the_whole_gemm(monkeypatch, activation):
                        launch=launch)
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["256-rows", "wide"])
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@needs_sm90
+def test_prefill_tile_on_32_row_blocks_matches_the_reference(monkeypatch, activation, wide):
+    """The prefill tile on 32-row blocks (the kernel lab's, variant 60: at 10-21 rows an
+    expert, where the 32-row Triton tile runs; not yet run on a GPU when written), launched
+    directly, persistent over 3 programs."""
+    from chordq.kernels import gluon_prefill
+
+    monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
+    gated = activation is not None
+    top_k, m = 2, 40  # 20 rows an expert: one partial 32-row block each
+
+    def launch(x, w, s, aligned, out):
+        block_n = (256 if gated else 512) if wide else (128 if gated else 256)
+        return gluon_prefill.moe_gemm_indexed_gluon_prefill(
+            x, w, s, *aligned, top_k, out, num_routes=m * top_k,
+            grid_m=min(aligned[1].numel(), m * top_k), block_m=32, block_n=block_n,
+            block_k=128, num_stages=3 if wide else 5, gated=gated, blocked=True)
+
+    check_indexed_tile(32, 4, 1024, 2048, m, top_k, None, activation, w_order="blocked",
+                       launch=launch)
+
+
 @needs_sm90
 def test_indexed_heuristic_takes_the_64_row_tile_on_sm90():
     from chordq.kernels.triton_w4a16 import indexed_config
