@@ -494,9 +494,9 @@ def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool 
     ``gluon_decode_applies``; ``(96,)``, the Gluon prefill tile, where
     ``gluon_prefill_applies`` (``(96, 32)`` for K > N up to 96 rows per expert: a remainder of
     up to 32 rows goes to the 32-row Triton tile; ``(128,)`` where ``gluon_prefill_rows``);
-    ``(128, 64, 32)`` for K > N, ``(128, 64)`` otherwise, at 128-256 rows per expert; elsewhere the one ``choose_config`` block (64-row
-    blocks then run the Gluon tile where ``gluon_prefill_64_applies``: ``choose_config``'s
-    ``gluon``).
+    ``(128, 64, 32)`` for K > N, ``(128, 64)`` otherwise, at 128-256 rows per expert; elsewhere
+    the one ``choose_config`` block (64-row blocks then run the Gluon tile where
+    ``gluon_prefill_64_applies``: ``choose_config``'s ``gluon``).
 
     :param gluon_experts: the local expert count when the Gluon tiles can run (an sm_90 GPU and
         subnormal weights: ``gluon_w4a16.gluon_ready``), else 0

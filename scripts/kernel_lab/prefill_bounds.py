@@ -44,8 +44,8 @@ import os
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "kernels")
 
 ACC0 = "    acc0 = gl.zeros([ROWS, BT0], gl.float32, mma0)\n"
-MMA0 = ("                    acc0 = warpgroup_mma(a0, _x_part(x0_bufs, slot, q, BK, KSPLIT), acc0,\n"
-        "                                         is_async=True)\n")
+MMA0 = ("                    acc0 = warpgroup_mma(a0, _x_part(x0_bufs, slot, q, BK, KSPLIT), "
+        "acc0,\n                                         is_async=True)\n")
 NOX = ("            _cp_async(x0_bufs.index(slot), x0_ptrs + i * BK)\n", "")
 
 
