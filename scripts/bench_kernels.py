@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--layouts", nargs="+", choices=["EP8", "TP8"], default=["EP8"],
                      help="EP8: 48 experts, N/K 4096/7168 and 7168/2048; TP8: 384 experts, "
                           "512/7168 and 7168/256 (default: %(default)s)")
-    cmp.add_argument("--reps", type=int, default=3,
-                     help="interleaved A/B graph repetitions, median (default: %(default)s)")
+    cmp.add_argument("--reps", type=int, default=6,
+                     help="interleaved A/B graph repetitions, median; an even count runs each "
+                          "contestant first equally often (default: %(default)s)")
     cmp.add_argument("--calls", type=int, default=20,
                      help="calls per CUDA graph (default: %(default)s)")
     cmp.add_argument("--do-bench-rep", type=int, default=200,
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             run_comparison,
         )
 
-        opts = Options(reps=args.reps, calls=args.calls, do_bench=not args.no_do_bench,
+        opts = Options(reps=min(args.reps, 2) if args.quick else args.reps, calls=args.calls,
+                       do_bench=not args.no_do_bench,
                        do_bench_warmup=10 if args.quick else args.do_bench_warmup,
                        do_bench_rep=50 if args.quick else args.do_bench_rep,
                        fused=not args.no_fused, check_routes=args.check_routes, seed=args.seed,

@@ -344,7 +344,7 @@ def test_end_to_end_on_tiny_shapes_with_fake_humming(fake_humming, tmp_path, mon
         assert r["chordq"]["ok"] and r["humming"]["ok"], r
         assert r["chordq"]["cos_diff"] < 1e-6 and r["humming"]["cos_diff"] < 1e-6
         assert r["ratio_graph"] == pytest.approx(2.0)
-        assert r["ratio_reps"] == pytest.approx([2.0] * 3)
+        assert r["ratio_reps"] == pytest.approx([2.0] * 6)  # Options' even default
         assert r["humming"]["block_m"] == (8 if 8 * r["tokens"] <= 16 else 16)
         assert r["checked_routes"] >= min(8, 8 * r["tokens"])
         assert ("chordq_fused" in r) == (r["projection"] == "gate_up")
