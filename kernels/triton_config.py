@@ -18,14 +18,17 @@ __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
            "GLUON_STREAM_K_PER_SM",
            "GLUON_PREFILL_TILE", "GLUON_PREFILL_TILE_64", "GLUON_PREFILL_TILE_64_WIDE",
            "GLUON_PREFILL_TILE_128", "gluon_prefill_rows",
-           "choose_gluon_prefill_wide", "gluon_prefill_64_applies"]
+           "choose_gluon_prefill_wide", "gluon_prefill_64_applies",
+           "GLUON_PREFILL_TILE_32", "GLUON_PREFILL_TILE_32_WIDE", "gluon_prefill_32_applies"]
 
 GROUP_SIZE = 32
 # token rows a block of gluon_w4a16's mma.sync decode tile holds (n8 fragments in registers)
 GLUON_DECODE_ROWS = (8, 16, 32)
 # token rows a block of gluon_prefill's tile holds (96: a 64- and a 32-row accumulator; 128:
-# one, each step dequantized and issued in two parts, gluon_prefill.k_split_of)
-GLUON_PREFILL_ROWS = (128, 96, 64)
+# one, each step dequantized and issued in two parts, gluon_prefill.k_split_of). A 32-row
+# Gluon config is the decode tile with 256-deep steps, the prefill tile with shallower ones
+# (W4A16Config.gluon_decode).
+GLUON_PREFILL_ROWS = (128, 96, 64, 32)
 K_ORDERS = ("natural", "planes", "pairs", "fragments", "subnormal")
 # How the weights were converted at load time: "checkpoint" (as written), "fragments" (words in
 # chordq.layout.fragment_order), "subnormal" (those words and chordq.layout.subnormal_scales),
@@ -120,6 +123,13 @@ class W4A16Config:
         return (f"{self.block_m},{self.block_n},{self.block_k},{self.num_warps},"
                 f"{self.num_stages}{tag}{split}{regs}{loop}{stream}{cols}{gluon}")
 
+    @property
+    def gluon_decode(self) -> bool:
+        """A Gluon config on 8-, 16- or 32-row blocks with 256-deep steps is the decode tile
+        (``gluon_w4a16``); the other Gluon configs are the prefill tile (``gluon_prefill``)."""
+        return (self.backend == "gluon" and self.block_m in GLUON_DECODE_ROWS
+                and self.block_k == 256)
+
     def __post_init__(self) -> None:
         if self.k_order not in K_ORDERS:
             raise ValueError(f"k_order must be one of {K_ORDERS}, got {self.k_order!r}")
@@ -136,26 +146,28 @@ class W4A16Config:
             plain = (self.k_order, self.max_registers,
                      self.columns_first) == ("subnormal", None, False)
             shared = self.stream_k or self.split_k > 1  # programs share a tile's K steps
-            prefill_sk = (self.stream_k == 1 and self.split_k == 1
+            prefill_sk = (self.stream_k == 1 and self.split_k == 1 and not self.gluon_decode
                           and self.block_m in GLUON_PREFILL_ROWS)
-            decode = (self.block_m in GLUON_DECODE_ROWS and self.block_k == 256
+            decode = (self.gluon_decode
                       and self.block_n >= 64 and (self.n_tiles == 1 or self.num_stages >= 2
                                                   and self.block_m == 8)
                       and (not shared or self.block_m == 8))
             if shared and not decode and not prefill_sk:
                 plain = False
-            wide = self.block_n == 512 and self.block_m == 64 and self.num_stages <= 3
-            prefill = (self.block_m in GLUON_PREFILL_ROWS and self.block_k in (64, 128, 256)
+            wide = self.block_n == 512 and self.block_m in (64, 32) and self.num_stages <= 3
+            prefill = (not self.gluon_decode and self.block_m in GLUON_PREFILL_ROWS
+                       and self.block_k in (64, 128, 256)
                        and (self.block_n in (128, 256) or wide) and self.num_warps == 4
                        and self.n_tiles == 1)
             if not (plain and (decode or prefill)):
                 raise ValueError(f"the gluon backend is the decode tile (block_m 8, 16 or 32, "
                                  f"block_k 256, block_n >= 64; n_tiles > 1, stream_k or "
                                  f"split_k: 8 rows; n_tiles: 2+ stages) or the prefill tile "
-                                 f"(block_m 128, 96 or 64, block_n 128 or 256, or 512 at block_m "
-                                 f"64 and 3 stages at most, 4 loader warps, no "
-                                 f"n_tiles or split_k, stream_k 0 or 1), k_order 'subnormal', no "
-                                 f"max_registers or columns_first; got {self}")
+                                 f"(block_m 128, 96, 64 or 32 (block_k under 256), block_n 128 or "
+                                 f"256, or 512 at block_m 64 or 32 and 3 stages at most, 4 "
+                                 f"loader warps, no n_tiles or split_k, stream_k 0 or 1), "
+                                 f"k_order 'subnormal', no max_registers or columns_first; "
+                                 f"got {self}")
             return
         if self.backend != "triton":
             raise ValueError(f"backend must be 'triton' or 'gluon', got {self.backend!r}")
@@ -203,6 +215,13 @@ GLUON_PREFILL_TILE_64_WIDE = dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=
 # 128 x 128 FP32 layout conversion takes 32 KB of scratch beside them). One N = 128 wgmma where
 # 96 rows take an N = 64 and an N = 32 one, and each dequantized weight serves 128 rows.
 GLUON_PREFILL_TILE_128 = dataclasses.replace(GLUON_PREFILL_TILE, block_m=128, num_stages=3)
+# The 64-row tile and its wide form on 32-row blocks (variant 60: one 32-row accumulator), for
+# 17-32 rows an expert (gluon_prefill_32_applies). H100, same process, blocked words, of the
+# Triton 32-row tile's time, two draws: wide form EP8 gate_up T=128 0.97-0.98 (fused 0.96-0.97),
+# TP8 gate_up T=1024 0.94-0.95; the 256-row form EP8 down T=128 1.00-1.03, so
+# triton_w4a16.indexed_config takes the tile where choose_gluon_prefill_wide picks the wide form
+GLUON_PREFILL_TILE_32 = dataclasses.replace(GLUON_PREFILL_TILE_64, block_m=32)
+GLUON_PREFILL_TILE_32_WIDE = dataclasses.replace(GLUON_PREFILL_TILE_64_WIDE, block_m=32)
 # A wide tile's time against two 256-row tiles' (variant 55: 0.91-0.94 in equal rounds, and
 # 1.03 * 11 / 12 = 0.94 at EP8 down, where the wide grid took 6 rounds against 11)
 GLUON_PREFILL_WIDE_PAIR = 0.94
@@ -291,6 +310,17 @@ def gluon_prefill_64_applies(rows_per_expert: float, n: int, k: int,
     return 32 < rows_per_expert <= 64 and _gluon_prefill_fits(n, k, gated)
 
 
+def gluon_prefill_32_applies(rows_per_expert: float, n: int, k: int,
+                             gated: bool = False) -> bool:
+    """Whether ``choose_config`` takes the Gluon tile on 32-row blocks
+    (``GLUON_PREFILL_TILE_32``; given an sm_90 GPU and subnormal weights): 17-32 rows per
+    expert (EP8 T=128 and TP8 T=1024: 21), where the alignment's blocks are 32 rows, and the
+    prefill tile's shape rule (TP8 down, K = 256, keeps the column-looping Triton tile).
+    ``triton_w4a16.indexed_config`` then keeps it only in its wide form
+    (``choose_gluon_prefill_wide``: gate_up at 21 rows), where it won (variant 60)."""
+    return 16 < rows_per_expert <= 32 and _gluon_prefill_fits(n, k, gated)
+
+
 def choose_gluon_prefill_wide(blocks: int, n: int, gated: bool, num_sms: int) -> bool:
     """Whether the 64-row Gluon tile runs in its wide form (``GLUON_PREFILL_TILE_64_WIDE``):
     where its half as many tiles, each ``GLUON_PREFILL_WIDE_PAIR`` of two 256-row tiles' time,
@@ -375,7 +405,8 @@ def choose_config(
         more than per element: big tiles, one stage
     :param gluon: the Gluon tiles can run (an sm_90 GPU: ``gluon_w4a16.gluon_ready``); with
         subnormal weights, 64-row blocks then take ``GLUON_PREFILL_TILE_64`` where
-        ``gluon_prefill_64_applies``, and 128-row blocks ``GLUON_PREFILL_TILE_128`` where
+        ``gluon_prefill_64_applies``, 32-row blocks ``GLUON_PREFILL_TILE_32`` where
+        ``gluon_prefill_32_applies``, and 128-row blocks ``GLUON_PREFILL_TILE_128`` where
         ``gluon_prefill_applies`` and ``gluon_prefill_rows`` picks them
 
     Decode (few rows per expert) is weight-bandwidth bound and, on the H200, close to
@@ -397,6 +428,9 @@ def choose_config(
     if (gluon and block_m == 64 and w_order in SUBNORMAL_W_ORDERS and not interpret
             and gluon_prefill_64_applies(rows_per_expert, n, k, gated)):
         return dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=_gluon_prefill_out_n(gated))
+    if (gluon and block_m == 32 and w_order in SUBNORMAL_W_ORDERS and not interpret
+            and gluon_prefill_32_applies(rows_per_expert, n, k, gated)):
+        return dataclasses.replace(GLUON_PREFILL_TILE_32, block_n=_gluon_prefill_out_n(gated))
     if (gluon and block_m == 128 and w_order in SUBNORMAL_W_ORDERS and not interpret
             and gluon_prefill_applies(rows_per_expert, n, k, gated)
             and gluon_prefill_rows(rows_per_expert) == 128):

@@ -57,7 +57,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from chordq.layout import K_BLOCK, ROW_BLOCK
 
 from . import triton_config
-from .triton_config import (GLUON_DECODE_ROWS, GROUP_SIZE, K_ORDER_OF, K_ORDERS,
+from .triton_config import (GROUP_SIZE, K_ORDER_OF, K_ORDERS,
                             SUBNORMAL_W_ORDERS, W_ORDERS, W4A16Config, choose_config,
                             choose_gluon_n_tiles, choose_gluon_split_k,
                             choose_gluon_stream_k, choose_n_tiles, choose_split_k)
@@ -833,7 +833,7 @@ def _resolve_config(config: W4A16Config | None, rows_per_expert: float, n: int, 
                              w_order=w_order, interpret=device.type == "cpu",
                              gluon=indexed and _gluon_usable(device, w_order))
     if config.backend == "gluon" and (not indexed or device.type != "cuda"):
-        raise ValueError("the gluon backend (8-row decode, 128-, 96- and 64-row prefill tiles) "
+        raise ValueError("the gluon backend (decode and prefill tiles) "
                          "runs the indexed path on an sm_90 GPU only")
     if config.split_k > 1 and not indexed:
         raise ValueError("split_k > 1 is implemented for the indexed path only")
@@ -980,11 +980,17 @@ def indexed_config(
             split = choose_gluon_split_k(busy_blocks, n, k, gated, sms)
             return dataclasses.replace(cfg, split_k=split) if split > 1 else cfg
     if cfg.backend == "gluon":
-        if (config is None and cfg.block_m == 64 and triton_config.choose_gluon_prefill_wide(
-                busy_blocks, n, gated, _num_sms(device))):
+        if (config is None and cfg.block_m in (64, 32)
+                and triton_config.choose_gluon_prefill_wide(busy_blocks, n, gated,
+                                                            _num_sms(device))):
             wide = triton_config.GLUON_PREFILL_TILE_64_WIDE
             return dataclasses.replace(cfg, block_n=2 * cfg.block_n, num_stages=wide.num_stages)
-        return cfg
+        if config is not None or cfg.block_m != 32:
+            return cfg
+        # 32-row blocks take the Gluon tile in its wide form only: the 256-row form ran
+        # 1.00-1.03 of the Triton tile's time at EP8 down T=128 (variant 60)
+        cfg = choose_config(num_routes / num_experts, n, k, gated=gated, block_m=block_m,
+                            w_order=w_order)
     if config is None:
         if cfg.n_tiles > 1:
             per = choose_n_tiles(cfg, busy_blocks, n, _num_sms(device))
@@ -1064,7 +1070,7 @@ def moe_gemm_indexed_triton(
     if grid_m * n_tiles == 0:
         return out
     split = cfg.split_k
-    if cfg.backend == "gluon" and cfg.block_m in GLUON_DECODE_ROWS:
+    if cfg.gluon_decode:
         from .gluon_w4a16 import moe_gemm_indexed_gluon
 
         return moe_gemm_indexed_gluon(

@@ -1,22 +1,25 @@
-"""The Gluon prefill tile (chordq.kernels.gluon_prefill) on 96- and 64-row blocks: its configs
-and heuristics, its sm_90 build (compiled on the CPU: warp-specialized, wgmma with 64- and
-32-row accumulators, words by TMA and the rest by cp.async into an mbarrier ring, no spills),
-and on an sm_90 GPU its results against the PyTorch reference (``gpu``-marked)."""
+"""The Gluon prefill tile (chordq.kernels.gluon_prefill) on 128-, 96-, 64- and 32-row blocks:
+its configs and heuristics, its sm_90 build (compiled on the CPU: warp-specialized, wgmma
+with 64- and 32-row accumulators, words by TMA and the rest by cp.async into an mbarrier ring,
+no spills), and on an sm_90 GPU its results against the PyTorch reference (``gpu``-marked)."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 import pytest
 
 from chordq.kernels import moe_align_block_size
-from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64,
+from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_32,
+                                          GLUON_PREFILL_TILE_32_WIDE, GLUON_PREFILL_TILE_64,
                                           GLUON_PREFILL_TILE_64_WIDE, GLUON_PREFILL_TILE_128,
                                           W4A16Config,
                                           choose_config, choose_gluon_prefill_wide,
-                                          choose_row_tiles, gluon_prefill_rows,
-                                          gluon_prefill_64_applies, gluon_prefill_applies)
+                                          choose_row_tiles, gluon_prefill_32_applies,
+                                          gluon_prefill_rows, gluon_prefill_64_applies,
+                                          gluon_prefill_applies)
 from test_kernels_gluon import (_problem, _sass, check_fused_moe_tile, check_graph_capture,
                                 check_indexed_tile, fast_weights, needs_sm90)
 
@@ -40,6 +43,22 @@ def test_prefill_tile_config_and_label():
         choose_config(85.3, 4096, 7168, block_m=96, w_order="subnormal", interpret=True)
 
 
+def check_blocks_take_the_gluon_tile(rows, block_m, tile, shapes):
+    """``choose_config`` on ``block_m``-row blocks at ``rows`` per expert: ``tile`` for each
+    ``(N, K)`` of ``shapes`` given an sm_90 GPU and subnormal (or row-blocked) weights, fused
+    SiLU-and-mul too (128 output columns a half); the Triton tile without such a GPU, on
+    fragment-order weights or under the interpreter."""
+    for (n, k), w_order in zip(shapes, itertools.cycle(("blocked", "subnormal"))):
+        assert choose_config(rows, n, k, block_m=block_m, w_order=w_order,
+                             gluon=True) == tile
+    fused = choose_config(rows, 2048, 7168, block_m=block_m, gated=True, w_order="subnormal",
+                          gluon=True)
+    assert fused == dataclasses.replace(tile, block_n=128)
+    for kw in ({"gluon": False}, {"w_order": "fragments"}, {"interpret": True}):
+        args = {"block_m": block_m, "w_order": "subnormal", "gluon": True, **kw}
+        assert choose_config(rows, 4096, 7168, **args).backend == "triton", kw
+
+
 def test_128_row_tile_where_it_pads_no_more_rows():
     """128-row blocks take the Gluon tile (``GLUON_PREFILL_TILE_128``) where the Gluon tile
     applies and they pad no more rows than 96-row ones (``gluon_prefill_rows``); elsewhere
@@ -47,15 +66,8 @@ def test_128_row_tile_where_it_pads_no_more_rows():
     assert GLUON_PREFILL_TILE_128.label == "128,256,128,4,3,Z,G"
     assert [gluon_prefill_rows(r) for r in (85.3, 100, 170.7, 250, 341.3, 1365.3)] == [
         96, 128, 96, 128, 128, 128]
-    for n, k in ((4096, 7168), (7168, 2048)):
-        assert choose_config(341.3, n, k, block_m=128, w_order="blocked",
-                             gluon=True) == GLUON_PREFILL_TILE_128
-    fused = choose_config(341.3, 2048, 7168, block_m=128, gated=True, w_order="subnormal",
-                          gluon=True)
-    assert fused == dataclasses.replace(GLUON_PREFILL_TILE_128, block_n=128)
-    for kw in ({"gluon": False}, {"w_order": "fragments"}, {"interpret": True}):
-        args = {"block_m": 128, "w_order": "subnormal", "gluon": True, **kw}
-        assert choose_config(341.3, 4096, 7168, **args).backend == "triton", kw
+    check_blocks_take_the_gluon_tile(341.3, 128, GLUON_PREFILL_TILE_128,
+                                     ((4096, 7168), (7168, 2048)))
     assert choose_config(110.0, 4096, 7168, block_m=128, w_order="subnormal",
                          gluon=True) == GLUON_PREFILL_TILE_128  # 128 rows against 192
     # 170 rows pad 256 in 128-row blocks, 192 in 96-row ones; 150 rows (K > N) keep the
@@ -70,16 +82,8 @@ def test_64_row_tile_where_it_won():
     """43 rows per expert (EP8 T=256, TP8 gate_up T=2048) on 64-row blocks: the Gluon tile
     given an sm_90 GPU (``gluon``) and subnormal weights, fused SiLU-and-mul too."""
     assert GLUON_PREFILL_TILE_64.label == "64,256,128,4,5,Z,G"
-    for n, k in ((4096, 7168), (7168, 2048), (512, 7168)):
-        assert choose_config(42.7, n, k, block_m=64, w_order="subnormal",
-                             gluon=True) == GLUON_PREFILL_TILE_64
-    fused = choose_config(42.7, 2048, 7168, block_m=64, gated=True, w_order="subnormal",
-                          gluon=True)
-    assert fused == dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=128)
-    triton = [dict(gluon=False), dict(w_order="fragments"), dict(interpret=True)]
-    for kw in triton:
-        args = {"block_m": 64, "w_order": "subnormal", "gluon": True, **kw}
-        assert choose_config(42.7, 4096, 7168, **args).backend == "triton", kw
+    check_blocks_take_the_gluon_tile(42.7, 64, GLUON_PREFILL_TILE_64,
+                                     ((4096, 7168), (7168, 2048), (512, 7168)))
     assert choose_config(42.7, 4096, 7168, block_m=32, w_order="subnormal",
                          gluon=True).backend == "triton"
     # a 64-row remainder piece at 150 rows per expert keeps the Triton tile
@@ -87,10 +91,56 @@ def test_64_row_tile_where_it_won():
                          gluon=True).backend == "triton"
 
 
+def test_32_row_tile_where_the_32_row_triton_tile_ran():
+    """17-32 rows per expert (EP8 T=128, TP8 gate_up T=1024: 21) on 32-row blocks: the Gluon
+    prefill tile given an sm_90 GPU and subnormal weights, fused SiLU-and-mul too; TP8 down
+    (K = 256) keeps the Triton tile. A Gluon 32-row config with 256-deep steps is the decode
+    tile, with shallower ones the prefill tile (``W4A16Config.gluon_decode``)."""
+    assert GLUON_PREFILL_TILE_32.label == "32,256,128,4,5,Z,G"
+    assert GLUON_PREFILL_TILE_32_WIDE.label == "32,512,128,4,3,Z,G"
+    assert not GLUON_PREFILL_TILE_32.gluon_decode
+    assert W4A16Config(32, 128, 256, 4, 2, k_order="subnormal", backend="gluon").gluon_decode
+    check_blocks_take_the_gluon_tile(21.3, 32, GLUON_PREFILL_TILE_32,
+                                     ((4096, 7168), (7168, 2048), (512, 7168)))
+    assert choose_config(21.3, 7168, 256, block_m=32, w_order="subnormal",
+                         gluon=True).backend == "triton"  # TP8 down
+    # a 32-row remainder piece under the 96-row tile (85 rows per expert) stays Triton
+    assert choose_config(85.3, 4096, 7168, block_m=32, w_order="subnormal",
+                         gluon=True).backend == "triton"
+    assert gluon_prefill_32_applies(32.0, 4096, 7168)
+    assert not gluon_prefill_32_applies(16.0, 4096, 7168)  # the 16-row Triton tile's rows
+    assert not gluon_prefill_32_applies(21.3, 4096 + 128, 7168)
+    assert choose_row_tiles(21.3, 4096, 7168, gluon_experts=48) == (32,)
+
+
+def test_32_row_blocks_take_the_gluon_tile_in_its_wide_form_only(monkeypatch):
+    """``indexed_config`` on an sm_90 GPU of 132 SMs (faked: host arithmetic only): 21 rows an
+    expert take the wide Gluon 32-row tile for gate_up (EP8: 48 blocks x 16 column tiles, 3
+    rounds against 6; TP8: 384 x 2), fused or not, and the Triton 32-row tile for EP8 down
+    (48 x 28: 6 wide rounds against 11, so the 256-row form, which did not beat Triton)."""
+    from chordq.kernels import triton_w4a16
+
+    monkeypatch.setattr(triton_w4a16, "_gluon_usable", lambda device, w_order: True)
+    monkeypatch.setattr(triton_w4a16, "_num_sms", lambda device: 132)
+
+    def config(routes, e, n, k, **kw):
+        return triton_w4a16.indexed_config(routes, e, n, k, 32, w_order="blocked",
+                                           device="cuda", **kw)
+
+    assert config(1024, 48, 4096, 7168) == GLUON_PREFILL_TILE_32_WIDE
+    assert config(8192, 384, 512, 7168) == GLUON_PREFILL_TILE_32_WIDE
+    assert config(1024, 48, 2048, 7168, activation="silu_mul") == dataclasses.replace(
+        GLUON_PREFILL_TILE_32_WIDE, block_n=256)
+    down = config(1024, 48, 7168, 2048)
+    assert down == choose_config(21.3, 7168, 2048, block_m=32, w_order="blocked")
+    assert down.backend == "triton"
+
+
 def test_wide_64_row_tile_config():
-    """The wide form (512 weight rows, 3 slots) is a 64-row tile only, and its stage count is
-    the kernel's ring (``gluon_prefill.WIDE_STAGES``)."""
+    """The wide form (512 weight rows, 3 slots) is a 64- or 32-row tile only, and its stage
+    count is the kernel's ring (``gluon_prefill.WIDE_STAGES``)."""
     assert GLUON_PREFILL_TILE_64_WIDE.label == "64,512,128,4,3,Z,G"
+    W4A16Config(32, 512, 128, 4, 3, k_order="subnormal", backend="gluon")
     for bad in ((96, 512, 128, 4, 3), (64, 512, 128, 4, 4), (64, 1024, 128, 4, 3)):
         with pytest.raises(ValueError, match="the prefill tile"):
             W4A16Config(*bad, k_order="subnormal", backend="gluon")
@@ -434,7 +484,7 @@ def test_column_ranges_add_up_to_the_whole_gemm(monkeypatch, activation):
 
     monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
     gated = activation is not None
-    n_w, top_k, m = 2048, 2, 100
+    n_w, top_k, m = 1024, 2, 100  # (2048 rows draw a scale of 0.51: not subnormal-safe)
     n_out = n_w // 2 if gated else n_w
     wide_n, narrow_n = (256, 128) if gated else (512, 256)  # output columns a tile
 
@@ -456,24 +506,18 @@ def test_column_ranges_add_up_to_the_whole_gemm(monkeypatch, activation):
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
 @needs_sm90
 def test_prefill_tile_on_32_row_blocks_matches_the_reference(monkeypatch, activation, wide):
-    """The prefill tile on 32-row blocks (the kernel lab's, variant 60: at 10-21 rows an
-    expert, where the 32-row Triton tile runs; not yet run on a GPU when written), launched
-    directly, persistent over 3 programs."""
+    """The prefill tile on 32-row blocks (``GLUON_PREFILL_TILE_32`` and its wide form, variant
+    60: at 17-32 rows an expert, where the 32-row Triton tile ran; not yet run on a GPU when
+    written), through ``moe_gemm_indexed_triton``'s dispatch (a 32-row Gluon config with
+    128-deep steps is the prefill tile), persistent over 3 programs: 20 rows an expert, one
+    partial 32-row block each."""
     from chordq.kernels import gluon_prefill
 
     monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
-    gated = activation is not None
-    top_k, m = 2, 40  # 20 rows an expert: one partial 32-row block each
-
-    def launch(x, w, s, aligned, out):
-        block_n = (256 if gated else 512) if wide else (128 if gated else 256)
-        return gluon_prefill.moe_gemm_indexed_gluon_prefill(
-            x, w, s, *aligned, top_k, out, num_routes=m * top_k,
-            grid_m=min(aligned[1].numel(), m * top_k), block_m=32, block_n=block_n,
-            block_k=128, num_stages=3 if wide else 5, gated=gated, blocked=True)
-
-    check_indexed_tile(32, 4, 1024, 2048, m, top_k, None, activation, w_order="blocked",
-                       launch=launch)
+    tile = GLUON_PREFILL_TILE_32_WIDE if wide else GLUON_PREFILL_TILE_32
+    cfg = dataclasses.replace(tile, block_n=tile.block_n // (2 if activation else 1))
+    check_indexed_tile(32, 4, 1024, 2048, 40, 2, None, activation, config=cfg,
+                       w_order="blocked")
 
 
 @needs_sm90
@@ -490,6 +534,30 @@ def test_indexed_heuristic_takes_the_64_row_tile_on_sm90():
                           device="cuda") == GLUON_PREFILL_TILE_64_WIDE
     assert indexed_config(2048, 48, 7168, 2048, 64, w_order="fragments",
                           device="cuda").backend == "triton"
+
+
+@needs_sm90
+def test_indexed_heuristic_takes_the_32_row_tile_on_sm90():
+    from chordq.kernels.triton_w4a16 import indexed_config
+
+    # 21 rows an expert: EP8 down T=128 (28 column tiles of 48 blocks: 11 rounds, wide 6)
+    # keeps the Triton tile, which the 256-row form did not beat
+    assert indexed_config(1024, 48, 7168, 2048, 32, w_order="blocked",
+                          device="cuda").backend == "triton"
+    # gate_up, EP8 and TP8: the wide form (3 rounds, not 6)
+    assert indexed_config(1024, 48, 4096, 7168, 32, w_order="blocked",
+                          device="cuda") == GLUON_PREFILL_TILE_32_WIDE
+    assert indexed_config(8192, 384, 512, 7168, 32, w_order="blocked",
+                          device="cuda") == GLUON_PREFILL_TILE_32_WIDE
+    assert indexed_config(8192, 384, 7168, 256, 32, w_order="blocked",
+                          device="cuda").backend == "triton"  # TP8 down
+
+
+@needs_sm90
+def test_fused_moe_at_21_rows_takes_the_32_row_tiles():
+    # 21 rows per expert: gate_up (fused SiLU-and-mul) in the wide Gluon 32-row tile, down
+    # (8 column tiles of 16 blocks: one round either way) in the Triton one
+    check_fused_moe_tile(16, 2048, 2048, 42, 3, (32,))
 
 
 @needs_sm90
