@@ -7,7 +7,9 @@ timed with interleaved CUDA graphs. ``gluon_decode.py`` and ``gluon_prefill.py``
 empty), seeded weights (once per shape) and routing (seed ``LAB_SEED``, default 0); the
 contestants "shipped" (``choose_row_tiles`` without the Gluon row tiles: the Triton tiles,
 and since session 22 the Gluon tile on 64-row blocks where ``choose_config`` takes it) and
-"humming" (when ``GLUON_HUMMING`` names the folder of its wheel); then ``contestants(ctx,
+"humming" (when ``GLUON_HUMMING`` names the folder of its wheel), "triton" (``LAB_TRITON=1``:
+the Triton tile on the shipped blocks, where those are one size, on the ``extra_weights``
+words when given: the row-blocked ones the bench runs); then ``contestants(ctx,
 add)`` registers the lab's: ``add(name, block, launch, act=None)`` with
 ``launch(out, aligned, blocks)`` on ``moe_align_block_size(topk, block)``'s buffers.
 """
@@ -24,8 +26,8 @@ from chordq.kernels import bench as B
 from chordq.kernels import bench_humming as H
 from chordq.kernels.align import align_row_tiles, moe_align_block_size
 from chordq.kernels.reference import cos_diff, moe_gemm_indexed_reference
-from chordq.kernels.triton_config import choose_row_tiles
-from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
+from chordq.kernels.triton_config import choose_config, choose_row_tiles
+from chordq.kernels.triton_w4a16 import moe_gemm_indexed_triton, moe_gemm_mixed_triton
 
 
 def gluon_decode(c, words: torch.Tensor, scales: torch.Tensor, **kw):
@@ -87,6 +89,14 @@ def run(rows, only: str, out_json: str, contestants, extra_weights=None) -> list
         pieces = align_row_tiles(topk, tiles, p.num_experts)
         add("shipped", tiles[0], lambda out, a, nb: moe_gemm_mixed_triton(
             x, wf, sf, pieces, p.top_k, out=out, w_order="subnormal"))
+        if os.environ.get("LAB_TRITON") == "1" and len(tiles) == 1 and tiles[0] not in (8, 96):
+            # the Triton tile on the same blocks, where a Gluon tile replaced it in "shipped"
+            cfg = choose_config(n_rows / p.num_experts, p.n, p.k, block_m=tiles[0],
+                                w_order="subnormal")
+            tw, ts, order = (*extra, "blocked") if extra else (wf, sf, "subnormal")
+            add("triton", tiles[0], lambda out, a, nb, cfg=cfg, tw=tw, ts=ts, order=order:
+                moe_gemm_indexed_triton(x, tw, ts, *a, p.top_k, cfg.block_m, num_routes=n_rows,
+                                        config=cfg, out=out, w_order=order))
         if wheel:
             layer, cache = layers[(layout, proj)]
             cfg, _ = H.humming_config(layer, n_rows, cache)
