@@ -276,14 +276,15 @@ def test_gluon_prefill_applies_needs_whole_tiles_and_deep_k():
 @pytest.mark.parametrize("block_m, gated, accumulators, halves", [
     (96, False, {"64", "32"}, 1), (96, True, {"64", "32"}, 1), (64, False, {"64"}, 1),
     (64, True, {"64"}, 1), (64, False, {"64"}, 2), (64, True, {"64"}, 2),
-    (128, False, {"128"}, 1), (128, True, {"128"}, 1)],
+    (128, False, {"128"}, 1), (128, True, {"128"}, 1), (32, False, {"32"}, 2),
+    (32, True, {"32"}, 2)],
     ids=["96-plain", "96-silu_mul", "64-plain", "64-silu_mul", "wide-plain", "wide-silu_mul",
-         "128-plain", "128-silu_mul"])
+         "128-plain", "128-silu_mul", "32-wide-plain", "32-wide-silu_mul"])
 def test_sm90_build_is_warp_specialized_wgmma_without_spills(block_m, gated, accumulators,
                                                              halves):
     """What the tile is, checked in its SASS: register reallocation between the loader and
     the consumer warpgroups (``setmaxnreg``), wgmmas on register A with 64- and 32-row
-    accumulators (96-row blocks: ``HGMMA.64x64x16``, ``HGMMA.64x32x16``) or one 64- or
+    accumulators (96-row blocks: ``HGMMA.64x64x16``, ``HGMMA.64x32x16``) or one 32-, 64- or
     128-row one (128 rows: a step in two parts, as many wgmmas as one 64-row accumulator),
     the words and scales by TMA (``UTMALDG``) and the X rows by cp.async, all signalling
     mbarriers, ldmatrix reads, and no local-memory spills. (Whether ptxas keeps a step's 32
@@ -292,10 +293,10 @@ def test_sm90_build_is_warp_specialized_wgmma_without_spills(block_m, gated, acc
     pytest.importorskip("triton.experimental.gluon")
     from chordq.kernels import gluon_prefill
 
-    tile = {64: GLUON_PREFILL_TILE_64, 96: GLUON_PREFILL_TILE,
+    tile = {32: GLUON_PREFILL_TILE_32, 64: GLUON_PREFILL_TILE_64, 96: GLUON_PREFILL_TILE,
             128: GLUON_PREFILL_TILE_128}[block_m]
     if halves == 2:
-        tile = GLUON_PREFILL_TILE_64_WIDE
+        tile = {32: GLUON_PREFILL_TILE_32_WIDE, 64: GLUON_PREFILL_TILE_64_WIDE}[block_m]
     kernel = gluon_prefill.compile_sm90(block_m=block_m, gated=gated,
                                         num_stages=tile.num_stages, halves=halves)
     assert kernel.metadata.shared <= SMEM_PER_BLOCK
