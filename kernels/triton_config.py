@@ -19,7 +19,8 @@ __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
            "GLUON_PREFILL_TILE", "GLUON_PREFILL_TILE_64", "GLUON_PREFILL_TILE_64_WIDE",
            "GLUON_PREFILL_TILE_128", "gluon_prefill_rows",
            "choose_gluon_prefill_wide", "gluon_prefill_64_applies",
-           "GLUON_PREFILL_TILE_32", "GLUON_PREFILL_TILE_32_WIDE", "gluon_prefill_32_applies"]
+           "GLUON_PREFILL_TILE_32", "GLUON_PREFILL_TILE_32_WIDE", "gluon_prefill_32_applies",
+           "GLUON_PREFILL_TILES", "GLUON_PREFILL_WIDE_TILES"]
 
 GROUP_SIZE = 32
 # token rows a block of gluon_w4a16's mma.sync decode tile holds (n8 fragments in registers)
@@ -29,6 +30,8 @@ GLUON_DECODE_ROWS = (8, 16, 32)
 # Gluon config is the decode tile with 256-deep steps, the prefill tile with shallower ones
 # (W4A16Config.gluon_decode).
 GLUON_PREFILL_ROWS = (128, 96, 64, 32)
+# the blocks whose tile also has a wide form (512 weight rows a tile: GLUON_PREFILL_WIDE_TILES)
+GLUON_PREFILL_WIDE_ROWS = (64, 32)
 K_ORDERS = ("natural", "planes", "pairs", "fragments", "subnormal")
 # How the weights were converted at load time: "checkpoint" (as written), "fragments" (words in
 # chordq.layout.fragment_order), "subnormal" (those words and chordq.layout.subnormal_scales),
@@ -154,7 +157,8 @@ class W4A16Config:
                       and (not shared or self.block_m == 8))
             if shared and not decode and not prefill_sk:
                 plain = False
-            wide = self.block_n == 512 and self.block_m in (64, 32) and self.num_stages <= 3
+            wide = (self.block_n == 512 and self.block_m in GLUON_PREFILL_WIDE_ROWS
+                    and self.num_stages <= 3)
             prefill = (not self.gluon_decode and self.block_m in GLUON_PREFILL_ROWS
                        and self.block_k in (64, 128, 256)
                        and (self.block_n in (128, 256) or wide) and self.num_warps == 4
@@ -222,6 +226,10 @@ GLUON_PREFILL_TILE_128 = dataclasses.replace(GLUON_PREFILL_TILE, block_m=128, nu
 # triton_w4a16.indexed_config takes the tile where choose_gluon_prefill_wide picks the wide form
 GLUON_PREFILL_TILE_32 = dataclasses.replace(GLUON_PREFILL_TILE_64, block_m=32)
 GLUON_PREFILL_TILE_32_WIDE = dataclasses.replace(GLUON_PREFILL_TILE_64_WIDE, block_m=32)
+# The prefill tiles by block rows: the 256-weight-row form, and the wide form where there is one
+GLUON_PREFILL_TILES = {128: GLUON_PREFILL_TILE_128, 96: GLUON_PREFILL_TILE,
+                       64: GLUON_PREFILL_TILE_64, 32: GLUON_PREFILL_TILE_32}
+GLUON_PREFILL_WIDE_TILES = {64: GLUON_PREFILL_TILE_64_WIDE, 32: GLUON_PREFILL_TILE_32_WIDE}
 # A wide tile's time against two 256-row tiles' (variant 55: 0.91-0.94 in equal rounds, and
 # 1.03 * 11 / 12 = 0.94 at EP8 down, where the wide grid took 6 rounds against 11)
 GLUON_PREFILL_WIDE_PAIR = 0.94

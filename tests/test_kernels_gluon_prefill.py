@@ -15,6 +15,7 @@ from chordq.kernels import moe_align_block_size
 from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_32,
                                           GLUON_PREFILL_TILE_32_WIDE, GLUON_PREFILL_TILE_64,
                                           GLUON_PREFILL_TILE_64_WIDE, GLUON_PREFILL_TILE_128,
+                                          GLUON_PREFILL_TILES, GLUON_PREFILL_WIDE_TILES,
                                           W4A16Config,
                                           choose_config, choose_gluon_prefill_wide,
                                           choose_row_tiles, gluon_prefill_32_applies,
@@ -293,10 +294,7 @@ def test_sm90_build_is_warp_specialized_wgmma_without_spills(block_m, gated, acc
     pytest.importorskip("triton.experimental.gluon")
     from chordq.kernels import gluon_prefill
 
-    tile = {32: GLUON_PREFILL_TILE_32, 64: GLUON_PREFILL_TILE_64, 96: GLUON_PREFILL_TILE,
-            128: GLUON_PREFILL_TILE_128}[block_m]
-    if halves == 2:
-        tile = {32: GLUON_PREFILL_TILE_32_WIDE, 64: GLUON_PREFILL_TILE_64_WIDE}[block_m]
+    tile = (GLUON_PREFILL_WIDE_TILES if halves == 2 else GLUON_PREFILL_TILES)[block_m]
     kernel = gluon_prefill.compile_sm90(block_m=block_m, gated=gated,
                                         num_stages=tile.num_stages, halves=halves)
     assert kernel.metadata.shared <= SMEM_PER_BLOCK
@@ -462,10 +460,7 @@ def test_stream_k_tile_matches_the_reference(monkeypatch, block_m, wide, activat
     from chordq.kernels import gluon_prefill
 
     monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
-    tile = {96: GLUON_PREFILL_TILE, 64: GLUON_PREFILL_TILE_64,
-            128: GLUON_PREFILL_TILE_128}[block_m]
-    if wide:
-        tile = GLUON_PREFILL_TILE_64_WIDE
+    tile = (GLUON_PREFILL_WIDE_TILES if wide else GLUON_PREFILL_TILES)[block_m]
     cfg = dataclasses.replace(tile, block_n=tile.block_n // (2 if activation else 1),
                               stream_k=1)
     assert cfg.label.endswith(",K1,G")

@@ -67,8 +67,8 @@ from chordq.kernels.gluon_prefill import (ORDERED, PERSISTENT, _mma_layout, _mma
 from chordq.kernels.gluon_w4a16 import (_cp_async, _dequant, _operand_layouts,
                                         compile_kernel_sm90)
 from chordq.kernels.align import align_row_tiles
-from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64,
-                                          GLUON_PREFILL_TILE_64_WIDE, GLUON_PREFILL_TILE_128)
+from chordq.kernels.triton_config import (GLUON_PREFILL_TILE, GLUON_PREFILL_TILES,
+                                          GLUON_PREFILL_WIDE_TILES)
 from chordq.kernels.triton_w4a16 import moe_gemm_mixed_triton
 
 
@@ -336,8 +336,8 @@ def _split_launch(c, out, a, nb, bm, wide_n, n_out):
     """The shipped wide and 256-row tiles (their block_n, block_k and slots) over the two
     column ranges, one launch each."""
     words, scales = c.extra if BLOCKED else (c.wf, c.sf)
-    narrow = {64: GLUON_PREFILL_TILE_64, 96: GLUON_PREFILL_TILE, 128: GLUON_PREFILL_TILE_128}[bm]
-    for lo, hi, tile in ((0, wide_n, GLUON_PREFILL_TILE_64_WIDE), (wide_n, n_out, narrow)):
+    for lo, hi, tile in ((0, wide_n, GLUON_PREFILL_WIDE_TILES[bm]),
+                         (wide_n, n_out, GLUON_PREFILL_TILES[bm])):
         moe_gemm_indexed_gluon_prefill(
             c.x, words, scales, *a, c.p.top_k, out, num_routes=c.rows, grid_m=nb, block_m=bm,
             block_n=tile.block_n, block_k=tile.block_k, num_stages=tile.num_stages,
