@@ -91,7 +91,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gluon_w4a16 import _barrier, _cp_async, _dequant, _operand_layouts, compile_kernel_sm90
@@ -280,9 +279,9 @@ def _sk_piece(j, mine, it, end, whole, programs, num_steps):
 
 def stream_k_pieces(tiles: int, programs: int, num_steps: int) -> list[list[tuple[int, int,
                                                                               int]]]:
-    """The stream-K schedule on the host (``_schedule``, ``_sk_range``, ``_whole_count``,
-    ``_sk_piece``, the kernel's twin for tests): for each launched program, its pieces
-    ``(tile, first step, steps)`` in the order it walks them."""
+    """The stream-K schedule on the host (``_each_piece``'s walk: ``_schedule``, ``_sk_range``,
+    ``_whole_count``, ``_sk_piece``; the kernel's twin for tests): for each launched program,
+    its pieces ``(tile, first step, steps)`` in the order it walks them."""
     working = max(min(programs, tiles), 1)
     tail = tiles % working
     shared = min(tiles, tail + working) if tail and tail * 5 < working * 4 else 0
@@ -307,6 +306,29 @@ def stream_k_pieces(tiles: int, programs: int, num_steps: int) -> list[list[tupl
 def _whole_count(whole, programs):
     """Whole tiles of this program: ``t = program, program + programs, .. < whole``."""
     return gl.maximum(whole - gl.program_id(0) + programs - 1, 0) // programs
+
+
+@gluon.jit
+def _each_piece(piece: gl.constexpr, args, ntp_ptr, grid_n, grid_m, num_steps,
+                BT: gl.constexpr, SK: gl.constexpr):
+    """Runs ``g = piece(t, first, num, g, *args)`` for each piece of this program in turn
+    (``_schedule``; ``g`` the ring position, from 0): the one walk that the loader and both
+    consumers take, so their ring positions and phases agree."""
+    pid = gl.program_id(0)
+    programs, whole, shared = _schedule(_tile_count(ntp_ptr, grid_n, grid_m, BT), SK)
+    g = 0
+    if SK:
+        it, end = _sk_range(programs, shared, num_steps)
+        mine = _whole_count(whole, programs)
+        j = 0
+        while (j < mine) | (it < end):
+            t, first, num, own = _sk_piece(j, mine, it, end, whole, programs, num_steps)
+            g = piece(t, first, num, g, *args)
+            j += own.to(gl.int32)
+            it += gl.where(own, 0, num // 2)
+    else:
+        for t in range(pid, whole, programs):
+            g = piece(t, 0, num_steps, g, *args)
 
 
 @gluon.jit
@@ -378,28 +400,11 @@ def _loader(w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty, 
     else:
         apart: gl.constexpr = OUT_W // HALVES
     kb = num_steps * BK // 256  # row-block pieces a row (BLOCKED)
-    pid = gl.program_id(0)
-    programs, whole, shared = _schedule(_tile_count(ntp_ptr, grid_n, grid_m, BT0 + BT1), SK)
-    g = 0  # ring position: steps loaded by this program so far
-    if SK:
-        it, end = _sk_range(programs, shared, num_steps)
-        mine = _whole_count(whole, programs)
-        j = 0
-        while (j < mine) | (it < end):
-            t, first, num, own = _sk_piece(j, mine, it, end, whole, programs, num_steps)
-            g = _load_piece(t, first, num, g, w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs,
-                            x1_bufs, ready, empty, x_ptr, w_desc, s_desc, sorted_ids_ptr,
-                            expert_ids_ptr, grid_n, kb, apart, OUT_W, N, num_routes, stride_xm,
-                            TOP_K, BK, BT0, BT1, GATED, STAGES, BLOCKED, HALVES, num_warps)
-            j += own.to(gl.int32)
-            it += gl.where(own, 0, num // 2)
-    else:
-        for t in range(pid, whole, programs):
-            g = _load_piece(t, 0, num_steps, g, w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs,
-                            x1_bufs, ready, empty, x_ptr, w_desc, s_desc, sorted_ids_ptr,
-                            expert_ids_ptr, grid_n, kb, apart, OUT_W, N, num_routes,
-                            stride_xm, TOP_K, BK, BT0, BT1, GATED, STAGES, BLOCKED, HALVES,
-                            num_warps)
+    _each_piece(_load_piece, (w0_bufs, w1_bufs, s0_bufs, s1_bufs, x0_bufs, x1_bufs, ready, empty,
+                              x_ptr, w_desc, s_desc, sorted_ids_ptr, expert_ids_ptr, grid_n, kb,
+                              apart, OUT_W, N, num_routes, stride_xm, TOP_K, BK, BT0, BT1, GATED,
+                              STAGES, BLOCKED, HALVES, num_warps),
+                ntp_ptr, grid_n, grid_m, num_steps, BT0 + BT1, SK)
 
 
 @gluon.jit
@@ -657,29 +662,11 @@ def _consumer(w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn, num_steps, o
               SK: gl.constexpr, KSPLIT: gl.constexpr):
     """One warpgroup's rows (output columns ``n_off..`` of each tile, OUT_W of them) for every
     piece of this program, in the loader's order (``_schedule``)."""
-    pid = gl.program_id(0)
-    programs, whole, shared = _schedule(_tile_count(ntp_ptr, grid_n, grid_m, BT0 + BT1), SK)
-    g = 0
-    if SK:
-        it, end = _sk_range(programs, shared, num_steps)
-        mine = _whole_count(whole, programs)
-        j = 0
-        while (j < mine) | (it < end):
-            t, first, num, own = _sk_piece(j, mine, it, end, whole, programs, num_steps)
-            g = _consume_piece(t, first, num, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready,
-                               empty, turn, num_steps, out_ptr, sorted_ids_ptr, expert_ids_ptr,
-                               parts_ptr, arrivals_ptr, stride_p, grid_n, n_off, OUT_W,
-                               num_routes, stride_om, BK, BT0, BT1, GATED, STAGES, ME, HALVES,
-                               SK, KSPLIT)
-            j += own.to(gl.int32)
-            it += gl.where(own, 0, num // 2)
-    else:
-        for t in range(pid, whole, programs):
-            g = _consume_piece(t, 0, num_steps, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready,
-                               empty, turn, num_steps, out_ptr, sorted_ids_ptr, expert_ids_ptr,
-                               parts_ptr, arrivals_ptr, stride_p, grid_n, n_off, OUT_W,
-                               num_routes, stride_om, BK, BT0, BT1, GATED, STAGES, ME, HALVES,
-                               SK, KSPLIT)
+    _each_piece(_consume_piece, (w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn,
+                                 num_steps, out_ptr, sorted_ids_ptr, expert_ids_ptr, parts_ptr,
+                                 arrivals_ptr, stride_p, grid_n, n_off, OUT_W, num_routes,
+                                 stride_om, BK, BT0, BT1, GATED, STAGES, ME, HALVES, SK, KSPLIT),
+                ntp_ptr, grid_n, grid_m, num_steps, BT0 + BT1, SK)
 
 
 @gluon.jit
