@@ -95,7 +95,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gluon_w4a16 import _barrier, _cp_async, _dequant, _operand_layouts, compile_kernel_sm90
 from .triton_config import GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64_WIDE, GLUON_PREFILL_TILE_128
-from .triton_w4a16 import _num_sms, _stream_k_buffers
+from .triton_w4a16 import _num_sms, _stream_k_buffers, _stream_k_shared, stream_k_shared
 
 __all__ = ["compile_sm90", "halves_of", "moe_gemm_indexed_gluon_prefill", "split_rows",
            "stream_k_pieces"]
@@ -243,9 +243,7 @@ def _schedule(tiles, SK: gl.constexpr):
     and cut into one equal range of step pairs a program, ``triton_w4a16``'s schedule)."""
     if SK:
         programs = gl.maximum(gl.minimum(gl.num_programs(0), tiles), 1)
-        tail = tiles % programs
-        shared = gl.where((tail > 0) & (tail * 5 < programs * 4),
-                          gl.minimum(tiles, tail + programs), 0)
+        shared = _stream_k_shared(tiles, programs)
     else:
         programs = gl.num_programs(0)
         shared = 0
@@ -283,8 +281,7 @@ def stream_k_pieces(tiles: int, programs: int, num_steps: int) -> list[list[tupl
     ``_whole_count``, ``_sk_piece``; the kernel's twin for tests): for each launched program,
     its pieces ``(tile, first step, steps)`` in the order it walks them."""
     working = max(min(programs, tiles), 1)
-    tail = tiles % working
-    shared = min(tiles, tail + working) if tail and tail * 5 < working * 4 else 0
+    shared = stream_k_shared(tiles, working)
     whole, pairs = tiles - shared, num_steps // 2
     total = shared * pairs
     out = []

@@ -34,7 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .triton_w4a16 import _DEQUANT_SUBNORMAL_ASM
+from .triton_w4a16 import _DEQUANT_SUBNORMAL_ASM, _stream_k_shared
 
 __all__ = ["GLUON_BLOCK_K", "compile_kernel_sm90", "compile_sm90", "gluon_ready",
            "moe_gemm_indexed_gluon", "stream_k_registers"]
@@ -340,9 +340,7 @@ def _w4a16_decode_sk_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert
     pid = gl.program_id(0)
     if pid < programs:
         steps = K // BK
-        tail = tiles % programs
-        sk_tiles = gl.where((tail > 0) & (tail * 5 < programs * 4),
-                            gl.minimum(tiles, tail + programs), 0)
+        sk_tiles = _stream_k_shared(tiles, programs)
         dp_tiles = tiles - sk_tiles
         for tile in range(pid, dp_tiles, programs):
             _decode_piece(tile, 0, steps, steps, 0, col_tiles, x_ptr, w_ptr, s_ptr, out_ptr,

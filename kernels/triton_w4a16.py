@@ -500,6 +500,22 @@ def _streamk_piece(tile, first, num, steps, slot, live_m, x_ptr, w_ptr, s_ptr, o
 
 
 @triton.jit
+def _stream_k_shared(tiles, programs):
+    """The tiles a stream-K schedule shares out by K steps (every stream-K kernel's, Triton and
+    Gluon; host twin ``stream_k_shared``): full waves run one whole tile a program; only a last
+    wave under 80% full, with the full wave before it, is shared (cutting tiles costs ~7%,
+    plan25); 0 where the last wave is full enough."""
+    tail = tiles % programs
+    return tl.where((tail > 0) & (tail * 5 < programs * 4), tl.minimum(tiles, tail + programs), 0)
+
+
+def stream_k_shared(tiles: int, programs: int) -> int:
+    """``_stream_k_shared`` on the host (the schedules' twins for tests)."""
+    tail = tiles % programs
+    return min(tiles, tail + programs) if tail and tail * 5 < programs * 4 else 0
+
+
+@triton.jit
 def _w4a16_indexed_streamk_kernel(
     x_ptr,  # bf16 [num_routes / TOP_K, K]
     w_ptr,  # int32 [E, N_w, K/8]
@@ -553,11 +569,7 @@ def _w4a16_indexed_streamk_kernel(
     if pid >= programs:
         return
     steps = K // BLOCK_K
-    # Full waves run one whole tile per program; only a last wave under 80% full, with the
-    # full wave before it, is shared out by K steps (cutting tiles costs ~7%, plan25)
-    tail = tiles % programs
-    sk_tiles = tl.where((tail > 0) & (tail * 5 < programs * 4),
-                        tl.minimum(tiles, tail + programs), 0)
+    sk_tiles = _stream_k_shared(tiles, programs)
     dp_tiles = tiles - sk_tiles
     for tile in range(pid, dp_tiles, programs):
         _streamk_piece(tile, 0, steps, steps, 0, live_m, x_ptr, w_ptr, s_ptr, out_ptr,

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 
+import sass as sass_lab  # this folder's sm_90 build of the Triton kernels
 import triton
 from chordq.kernels import gluon_prefill, gluon_w4a16
 from chordq.kernels.triton_config import GLUON_PREFILL_TILES, GLUON_PREFILL_WIDE_TILES
@@ -26,7 +27,8 @@ from chordq.kernels.triton_config import GLUON_PREFILL_TILES, GLUON_PREFILL_WIDE
 
 def builds():
     """``{name: thunk}``: every prefill block size and form (256-row and wide), plain and
-    fused, with and without stream-K, the unordered 96-row tile, and the decode stream-K tiles."""
+    fused, with and without stream-K, the unordered 96-row tile, the decode stream-K tiles and
+    the Triton stream-K kernel."""
     out = {}
     for (bm, tile), gated, sk in itertools.product(GLUON_PREFILL_TILES.items(), (False, True),
                                                   (False, True)):
@@ -41,6 +43,10 @@ def builds():
     for sk, gated in itertools.product((2, 4), (False, True)):
         out[f"decode stream_k={sk},gated={gated}"] = (
             lambda sk=sk, gated=gated: gluon_w4a16.compile_sm90(gated=gated, stream_k=sk))
+    for (bm, bn), gated in itertools.product(((16, 64), (32, 128)), (False, True)):
+        out[f"triton stream_k block_m={bm},block_n={bn},gated={gated}"] = (
+            lambda bm=bm, bn=bn, gated=gated: sass_lab.compile_kernel(
+                bm, bn, 256, 4, 3, "subnormal", gated, stream_k=True))
     return out
 
 
