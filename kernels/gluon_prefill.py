@@ -93,9 +93,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gluon_w4a16 import _barrier, _cp_async, _dequant, _operand_layouts, compile_kernel_sm90
+from .gluon_w4a16 import (
+    _barrier,
+    _cp_async,
+    _dequant,
+    _operand_layouts,
+    _stream_k_shared,
+    compile_kernel_sm90,
+)
 from .triton_config import GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64_WIDE, GLUON_PREFILL_TILE_128
-from .triton_w4a16 import _num_sms, _stream_k_buffers, _stream_k_shared, stream_k_shared
+from .triton_w4a16 import _num_sms, _stream_k_buffers, stream_k_shared
 
 __all__ = ["compile_sm90", "halves_of", "moe_gemm_indexed_gluon_prefill", "split_rows",
            "stream_k_pieces"]

@@ -34,7 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .triton_w4a16 import _DEQUANT_SUBNORMAL_ASM, _stream_k_shared
+from .triton_w4a16 import _DEQUANT_SUBNORMAL_ASM
 
 __all__ = ["GLUON_BLOCK_K", "compile_kernel_sm90", "compile_sm90", "gluon_ready",
            "moe_gemm_indexed_gluon", "stream_k_registers"]
@@ -312,6 +312,15 @@ def _decode_piece(tile, first, num, steps, slot, col_tiles, x_ptr, w_ptr, s_ptr,
         gl.store(arrivals_ptr + slot, 0, mask=second)
         _store_out(gl.where(cut, total, acc), out_ptr, sorted_ids_ptr, pid_b, n0, num_routes,
                    stride_om, OUT_N, BM, GATED, (not cut) | second)
+
+
+@gluon.jit
+def _stream_k_shared(tiles, programs):
+    """``triton_w4a16._stream_k_shared`` for the Gluon kernels (a Gluon kernel cannot call a
+    Triton function where ``TRITON_INTERPRET=1`` interprets Triton's; host twin
+    ``triton_w4a16.stream_k_shared``)."""
+    tail = tiles % programs
+    return gl.where((tail > 0) & (tail * 5 < programs * 4), gl.minimum(tiles, tail + programs), 0)
 
 
 @gluon.jit
