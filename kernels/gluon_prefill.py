@@ -56,9 +56,8 @@ tile's time where the padding is equal (EP8 T=2048 and 8192), so
 
 ``stream_k`` (opt-in, variant 56): the persistent programs share a last round under 80% full
 and the round before it by K step pairs (``_schedule``); a tile cut in two sums its pieces in
-FP32 (``triton_w4a16``'s stream-K buffers: each piece stores its sums, the second to arrive
-adds the other's and stores). Correct, and slower where measured but one row with FP32
-atomics in place of those stores (kernel_notes variants 56, 57), so no heuristic picks it.
+FP32 (``triton_w4a16``'s stream-K buffers, the second piece to arrive stores). Correct, and
+slower where measured but one row (kernel_notes variant 56), so no heuristic picks it.
 
 Each step retires its own wgmmas before the next step's dequantization: wgmma reads its
 register operand while in flight, and ptxas reuses those registers for the next step's
@@ -601,14 +600,6 @@ def _sk_parts(acc, part):
 
 
 @gluon.jit
-def _sk_store(acc0, acc1, part, TWO: gl.constexpr, AT: gl.constexpr):
-    """A consumer's partial sums at ``part`` (``acc1``'s ``AT`` in, with ``TWO``)."""
-    gl.store(_sk_parts(acc0, part), acc0)
-    if TWO:
-        gl.store(_sk_parts(acc1, part + AT), acc1)
-
-
-@gluon.jit
 def _consume_piece(t, first, num, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready, empty, turn,
                    num_steps, out_ptr, sorted_ids_ptr, expert_ids_ptr, parts_ptr, arrivals_ptr,
                    stride_p, grid_n, n_off, OUT_W: gl.constexpr, num_routes, stride_om,
@@ -616,9 +607,8 @@ def _consume_piece(t, first, num, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready, em
                    GATED: gl.constexpr, STAGES: gl.constexpr, ME: gl.constexpr,
                    HALVES: gl.constexpr, SK: gl.constexpr, KSPLIT: gl.constexpr):
     """Steps ``first .. first + num`` of tile ``t`` from ring position ``g``, then the stores
-    (SK: a cut tile's two pieces leave their sums in ``parts_ptr`` at the boundary's slot, one
-    per consumer and a half per piece, and the second to arrive adds the other's and stores).
-    Returns the ring position after them."""
+    (SK: a cut tile's two pieces add their sums in ``parts_ptr`` at the boundary's slot, one
+    per consumer, and the second to arrive stores). Returns the ring position after them."""
     BT: gl.constexpr = BT0 + BT1
     TWO: gl.constexpr = BT1 > 0 or HALVES == 2  # a second accumulator
     if gl.load(expert_ids_ptr + t // grid_n) >= 0:
@@ -629,28 +619,25 @@ def _consume_piece(t, first, num, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready, em
         n_out = (t % grid_n) * (2 * OUT_W) + n_off
         row0 = (t // grid_n) * BT
         if SK:
-            # a cut tile's two pieces each store their sums in their half of the boundary's
-            # slot (plain stores), count themselves, and the second to arrive adds the other
-            # half, stores, and leaves zeros; whole tiles branch past all of it
+            # a cut tile's two pieces add their sums at the boundary's slot, and the second
+            # to arrive takes the total and leaves zeros; whole tiles branch past all of it
             cut = num < num_steps
             second = False
             if cut:
-                SUMS: gl.constexpr = WGR * (BT0 + (BT0 if HALVES == 2 else BT1))  # _partial_sums
                 pid = gl.program_id(0)
                 slot = gl.where(first > 0, pid, pid + 1) * 2 + n_off // OUT_W  # consumer
                 part = parts_ptr + slot.to(gl.int64) * stride_p
-                mine = part + gl.where(first > 0, SUMS, 0)
-                other = part + gl.where(first > 0, 0, SUMS)
-                _sk_store(acc0, acc1, mine, TWO, WGR * BT0)
-                _barrier()  # the consumer's partial sums are out before its count
+                gl.atomic_add(_sk_parts(acc0, part), acc0, sem="relaxed")
+                if TWO:
+                    gl.atomic_add(_sk_parts(acc1, part + WGR * BT0), acc1, sem="relaxed")
+                _barrier()  # the consumer's partial sums are in before its count
                 second = gl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel") == 1
                 if second:
-                    acc0 += gl.load(_sk_parts(acc0, other), cache_modifier=".cg")
+                    acc0 = gl.atomic_xchg(_sk_parts(acc0, part), gl.zeros_like(acc0),
+                                          sem="relaxed")
                     if TWO:
-                        acc1 += gl.load(_sk_parts(acc1, other + WGR * BT0),
-                                        cache_modifier=".cg")
-                    _sk_store(gl.zeros_like(acc0), gl.zeros_like(acc1), mine, TWO, WGR * BT0)
-                    _sk_store(gl.zeros_like(acc0), gl.zeros_like(acc1), other, TWO, WGR * BT0)
+                        acc1 = gl.atomic_xchg(_sk_parts(acc1, part + WGR * BT0),
+                                              gl.zeros_like(acc1), sem="relaxed")
                     gl.atomic_xchg(arrivals_ptr + slot, 0, sem="relaxed")
             ok = (not cut) | second
         else:
@@ -830,9 +817,9 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
                            stream_k, k_split)
     w_desc, s_desc = _descriptors(w_packed, w_scale, k, block_k, gated and halves == 1, blocked,
                                   lo)
-    if stream_k:  # a boundary slot per program and one more, a consumer's sums per piece
+    if stream_k:  # a boundary slot per program and one more, a part per consumer
         parts, arrivals = _stream_k_buffers(x.device, 2 * (programs + 1),
-                                            _partial_sums(block_m, halves))
+                                            _partial_sums(block_m, halves) // 2)
     else:
         parts, arrivals = out, sorted_token_ids  # not read
     _w4a16_prefill_kernel[(programs,)](
