@@ -456,8 +456,9 @@ def test_stream_k_tile_matches_the_reference(monkeypatch, block_m, wide, activat
     128-row form: each step in two parts, not yet run on a GPU when written): 4
     blocks x 4 column tiles (wide: 2) leave a last round of 1 (2) tile, so the last 4 (5)
     tiles are shared by K steps (16 steps, cut at pairs) and most of them cut in two, summed
-    through the stream-K buffers; twice, as the buffers must be left zero."""
-    from chordq.kernels import gluon_prefill
+    through the stream-K buffers; twice, as the buffers must be left zero (they are: every
+    stream-K kernel on the stream shares them)."""
+    from chordq.kernels import gluon_prefill, triton_w4a16
 
     monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
     tile = (GLUON_PREFILL_WIDE_TILES if wide else GLUON_PREFILL_TILES)[block_m]
@@ -467,6 +468,8 @@ def test_stream_k_tile_matches_the_reference(monkeypatch, block_m, wide, activat
     for _ in range(2):
         check_indexed_tile(block_m, 4, 1024, 2048, 100, 2, None, activation, config=cfg,
                            w_order="blocked")
+    for parts, arrivals in triton_w4a16._STREAM_K_BUFFERS.values():
+        assert not parts.any() and not arrivals.any()
 
 
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
