@@ -57,7 +57,8 @@ tile's time where the padding is equal (EP8 T=2048 and 8192), so
 ``stream_k`` (opt-in, variant 56): the persistent programs share a last round under 80% full
 and the round before it by K step pairs (``_schedule``); a tile cut in two sums its pieces in
 FP32 (``triton_w4a16``'s stream-K buffers, the second piece to arrive stores). Correct, and
-slower where measured but one row (kernel_notes variant 56), so no heuristic picks it.
+slower where measured but one row (kernel_notes variants 56, 57, 61), so no heuristic picks
+it.
 
 Each step retires its own wgmmas before the next step's dequantization: wgmma reads its
 register operand while in flight, and ptxas reuses those registers for the next step's
