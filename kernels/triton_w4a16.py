@@ -502,9 +502,10 @@ def _streamk_piece(tile, first, num, steps, slot, live_m, x_ptr, w_ptr, s_ptr, o
 @triton.jit
 def _stream_k_shared(tiles, programs):
     """The tiles a stream-K schedule shares out by K steps (every stream-K kernel's; the Gluon
-    kernels' copy: ``gluon_w4a16._stream_k_shared``; host twin ``stream_k_shared``): full waves run one whole tile a program; only a last
-    wave under 80% full, with the full wave before it, is shared (cutting tiles costs ~7%,
-    plan25); 0 where the last wave is full enough."""
+    kernels' copy: ``gluon_w4a16._stream_k_shared``; host twin ``stream_k_shared``): full
+    waves run one whole tile a program; only a last wave under 80% full, with the full wave
+    before it, is shared (cutting tiles costs ~7%, plan25); 0 where the last wave is full
+    enough."""
     tail = tiles % programs
     return tl.where((tail > 0) & (tail * 5 < programs * 4), tl.minimum(tiles, tail + programs), 0)
 
