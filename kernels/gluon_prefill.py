@@ -54,11 +54,13 @@ N = 32 one, and each dequantized weight serves a third more rows: 0.91-0.96 of t
 tile's time where the padding is equal (EP8 T=2048 and 8192), so
 ``triton_config.gluon_prefill_rows`` takes it where 128-row blocks pad no more rows.
 
-``stream_k`` (opt-in, variant 56): the persistent programs share a last round under 80% full
-and the round before it by K step pairs (``_schedule``); a tile cut in two sums its pieces in
-FP32 (``triton_w4a16``'s stream-K buffers, the second piece to arrive stores). Correct, and
-slower where measured but one row (kernel_notes variants 56, 57, 61), so no heuristic picks
-it.
+``stream_k`` (variant 56): the persistent programs share a last round under 80% full and the
+round before it by K step pairs (``_schedule``); a tile cut in two is handed over in FP32
+(variant 62, ``_consume_piece``): the piece with its last steps, the first its program shares,
+stores its sums and raises a flag; the piece with its first steps, its program's last, waits
+for the flag (it is nearly always up), adds the sums and stores the tile. Adding both pieces'
+sums by atomics, the second to arrive reading them back, cost 5 and 12 µs a piece on the H100,
+about a round of tiles (``scripts/kernel_lab/prefill_timeline.py``); the handover costs 3.
 
 Each step retires its own wgmmas before the next step's dequantization: wgmma reads its
 register operand while in flight, and ptxas reuses those registers for the next step's
@@ -608,8 +610,10 @@ def _consume_piece(t, first, num, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready, em
                    GATED: gl.constexpr, STAGES: gl.constexpr, ME: gl.constexpr,
                    HALVES: gl.constexpr, SK: gl.constexpr, KSPLIT: gl.constexpr):
     """Steps ``first .. first + num`` of tile ``t`` from ring position ``g``, then the stores
-    (SK: a cut tile's two pieces add their sums in ``parts_ptr`` at the boundary's slot, one
-    per consumer, and the second to arrive stores). Returns the ring position after them."""
+    (SK: a cut tile's two pieces hand over at the boundary's slot, one per consumer: the
+    piece with the tile's last steps stores its sums in ``parts_ptr`` and raises the slot's
+    flag, the piece with its first steps waits for the flag, adds them and stores the tile).
+    Returns the ring position after them."""
     BT: gl.constexpr = BT0 + BT1
     TWO: gl.constexpr = BT1 > 0 or HALVES == 2  # a second accumulator
     if gl.load(expert_ids_ptr + t // grid_n) >= 0:
@@ -620,27 +624,29 @@ def _consume_piece(t, first, num, g, w_bufs, s_bufs, x0_bufs, x1_bufs, ready, em
         n_out = (t % grid_n) * (2 * OUT_W) + n_off
         row0 = (t // grid_n) * BT
         if SK:
-            # a cut tile's two pieces add their sums at the boundary's slot, and the second
-            # to arrive takes the total and leaves zeros; whole tiles branch past all of it
+            # A cut tile's last steps are the first piece their program takes after its
+            # whole tiles, its first steps the last piece of the program before, so the
+            # second nearly always runs later: it waits for the first's sums by a flag
+            # (variant 62; adding both by atomics cost 5 and 12 µs a piece, on the tail)
             cut = num < num_steps
-            second = False
             if cut:
                 pid = gl.program_id(0)
                 slot = gl.where(first > 0, pid, pid + 1) * 2 + n_off // OUT_W  # consumer
                 part = parts_ptr + slot.to(gl.int64) * stride_p
-                gl.atomic_add(_sk_parts(acc0, part), acc0, sem="relaxed")
-                if TWO:
-                    gl.atomic_add(_sk_parts(acc1, part + WGR * BT0), acc1, sem="relaxed")
-                _barrier()  # the consumer's partial sums are in before its count
-                second = gl.atomic_add(arrivals_ptr + slot, 1, sem="acq_rel") == 1
-                if second:
-                    acc0 = gl.atomic_xchg(_sk_parts(acc0, part), gl.zeros_like(acc0),
-                                          sem="relaxed")
+                if first > 0:
+                    gl.store(_sk_parts(acc0, part), acc0)
                     if TWO:
-                        acc1 = gl.atomic_xchg(_sk_parts(acc1, part + WGR * BT0),
-                                              gl.zeros_like(acc1), sem="relaxed")
-                    gl.atomic_xchg(arrivals_ptr + slot, 0, sem="relaxed")
-            ok = (not cut) | second
+                        gl.store(_sk_parts(acc1, part + WGR * BT0), acc1)
+                    _barrier()  # every thread's sums are out before the flag
+                    gl.atomic_xchg(arrivals_ptr + slot, 1, sem="release")
+                else:
+                    while gl.atomic_add(arrivals_ptr + slot, 0, sem="acquire") == 0:
+                        pass
+                    acc0 += gl.load(_sk_parts(acc0, part), cache_modifier=".cg")
+                    if TWO:
+                        acc1 += gl.load(_sk_parts(acc1, part + WGR * BT0), cache_modifier=".cg")
+                    gl.atomic_xchg(arrivals_ptr + slot, 0, sem="relaxed")  # flags left zero
+            ok = (not cut) | (first == 0)
         else:
             ok = True
         if HALVES == 2 and GATED:  # the halves are gate rows and their up rows
@@ -818,9 +824,10 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
                            stream_k, k_split)
     w_desc, s_desc = _descriptors(w_packed, w_scale, k, block_k, gated and halves == 1, blocked,
                                   lo)
-    if stream_k:  # a boundary slot per program and one more, a part per consumer
+    if stream_k:  # a boundary slot per program and one more, a part per consumer; the parts
+        # are written before they are read, so not the zeroed ones other kernels add into
         parts, arrivals = _stream_k_buffers(x.device, 2 * (programs + 1),
-                                            _partial_sums(block_m, halves) // 2)
+                                            _partial_sums(block_m, halves) // 2, "handover")
     else:
         parts, arrivals = out, sorted_token_ids  # not read
     _w4a16_prefill_kernel[(programs,)](

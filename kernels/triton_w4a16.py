@@ -930,14 +930,16 @@ def _num_sms(device: torch.device) -> int:
 _STREAM_K_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _stream_k_buffers(device: torch.device, programs: int, tile: int
+def _stream_k_buffers(device: torch.device, programs: int, tile: int, use: str = "add"
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Zeroed FP32 ``[programs, 2 tile]`` partials and int32 ``[programs]`` counts for the
-    stream-K kernel, one pair per device and stream: kernels on one stream run one at a time
-    and each launch leaves them zero again. Made while a CUDA graph is captured, they live in
-    the graph's memory pool and serve that stream's later launches too."""
+    stream-K kernel, one pair per device, stream and ``use``: kernels on one stream run one at
+    a time and each launch leaves them zero again ("add": the kernels that add partial sums
+    by atomics; "handover": the Gluon prefill tile, which leaves its counts zero but not its
+    partials). Made while a CUDA graph is captured, they live in the graph's memory pool and
+    serve that stream's later launches too."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
+    key = (str(device), stream, use)
     have = _STREAM_K_BUFFERS.get(key)
     if have is None or have[1].numel() < programs or have[0].shape[1] < 2 * tile:
         programs = max(programs, have[1].numel() if have else 0)

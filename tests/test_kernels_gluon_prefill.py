@@ -168,7 +168,10 @@ def test_stream_k_schedule_covers_each_tile_once_in_at_most_two_pieces():
     K steps exactly once; whole tiles for the full rounds; a thin last round (under 80% full)
     and the round before it shared, each cut tile in two pieces at an even step (the scales'
     box covers a step pair) whose boundary slot both compute alike (``_consume_piece``), one
-    cut tile a slot; no more pieces a program than its whole tiles and two."""
+    cut tile a slot; no more pieces a program than its whole tiles and two. The piece with a
+    cut tile's last steps is the first piece its program shares, the one with its first steps
+    the last piece of its program: the second waits on the first's flag, and a first piece
+    waits on nothing, so no program waits on one that waits."""
     pytest.importorskip("triton.experimental.gluon")
     from chordq.kernels.gluon_prefill import stream_k_pieces
 
@@ -179,7 +182,10 @@ def test_stream_k_schedule_covers_each_tile_once_in_at_most_two_pieces():
                 plan = stream_k_pieces(tiles, programs, steps)
                 covered = {t: [] for t in range(tiles)}
                 for pid, pieces in enumerate(plan):
-                    assert len([p for p in pieces if p[2] < steps]) <= 2
+                    cuts = [p for p in pieces if p[2] < steps]
+                    assert len(cuts) <= 2
+                    for piece in cuts:
+                        assert piece == (cuts[0] if piece[1] > 0 else pieces[-1])
                     for t, first, num in pieces:
                         assert first % 2 == 0 and num % 2 == 0 and num > 0
                         slot = pid if first > 0 else pid + 1
@@ -456,8 +462,9 @@ def test_stream_k_tile_matches_the_reference(monkeypatch, block_m, wide, activat
     128-row form: each step in two parts, not yet run on a GPU when written): 4
     blocks x 4 column tiles (wide: 2) leave a last round of 1 (2) tile, so the last 4 (5)
     tiles are shared by K steps (16 steps, cut at pairs) and most of them cut in two, summed
-    through the stream-K buffers; twice, as the buffers must be left zero (they are: every
-    stream-K kernel on the stream shares them)."""
+    handed over through the stream-K buffers; twice, as the flags must be left zero (the next
+    launch waits on them), and so must the buffers the stream's other stream-K kernels add
+    into."""
     from chordq.kernels import gluon_prefill, triton_w4a16
 
     monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
@@ -468,8 +475,9 @@ def test_stream_k_tile_matches_the_reference(monkeypatch, block_m, wide, activat
     for _ in range(2):
         check_indexed_tile(block_m, 4, 1024, 2048, 100, 2, None, activation, config=cfg,
                            w_order="blocked")
-    for parts, arrivals in triton_w4a16._STREAM_K_BUFFERS.values():
-        assert not parts.any() and not arrivals.any()
+    for (_, _, use), (parts, arrivals) in triton_w4a16._STREAM_K_BUFFERS.items():
+        assert not arrivals.any() and (use == "handover" or not parts.any())
+    assert any(use == "handover" for _, _, use in triton_w4a16._STREAM_K_BUFFERS)
 
 
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
