@@ -296,10 +296,13 @@ def test_stream_k_rejects_what_it_cannot_run():
                    {"stream_k": 2, "n_tiles": 2}):
         with pytest.raises(ValueError, match="stream_k"):
             W4A16Config(16, 32, 128, **fields)
-    w, s = random_weights(2, 64, 256, "cpu")
+    device = "cpu" if INTERPRET else "cuda"  # CPU tensors need the interpreter
+    if device == "cuda" and not torch.cuda.is_available():
+        return
+    w, s = random_weights(2, 64, 256, device)
     with pytest.raises(ValueError, match="stream_k"):
-        grouped_gemm_contiguous_triton(randn_bf16(2, 256, device="cpu"), w, s,
-                                       torch.zeros(2, dtype=torch.int32),
+        grouped_gemm_contiguous_triton(randn_bf16(2, 256, device=device), w, s,
+                                       torch.zeros(2, dtype=torch.int32, device=device),
                                        config=W4A16Config(16, 32, 128, stream_k=2))
 
 
