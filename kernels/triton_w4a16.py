@@ -995,12 +995,16 @@ def indexed_config(
             split = choose_gluon_split_k(busy_blocks, n, k, gated, sms)
             return dataclasses.replace(cfg, split_k=split) if split > 1 else cfg
     if cfg.backend == "gluon":
-        if (config is None and cfg.block_m in triton_config.GLUON_PREFILL_WIDE_ROWS
+        if config is not None:
+            return cfg
+        if (cfg.block_m in triton_config.GLUON_PREFILL_WIDE_ROWS
                 and triton_config.choose_gluon_prefill_wide(busy_blocks, n, gated,
                                                             _num_sms(device))):
             wide = triton_config.GLUON_PREFILL_WIDE_TILES[cfg.block_m]
             return dataclasses.replace(cfg, block_n=2 * cfg.block_n, num_stages=wide.num_stages)
-        if config is not None or cfg.block_m != 32:
+        if cfg.block_m in triton_config.GLUON_PREFILL_STREAM_K_ROWS:
+            return dataclasses.replace(cfg, stream_k=1)
+        if cfg.block_m != 32:
             return cfg
         # 32-row blocks take the Gluon tile in its wide form only: the 256-row form ran
         # 1.00-1.03 of the Triton tile's time at EP8 down T=128 (variant 60)

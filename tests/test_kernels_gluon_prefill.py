@@ -137,6 +137,27 @@ def test_32_row_blocks_take_the_gluon_tile_in_its_wide_form_only(monkeypatch):
     assert down.backend == "triton"
 
 
+def test_64_row_blocks_take_stream_k_in_the_256_row_form(monkeypatch):
+    """``indexed_config`` on an sm_90 GPU of 132 SMs (faked: host arithmetic only) at 43 rows
+    an expert: EP8 down takes the 256-row 64-row tile with stream-K (1344 tiles, 10.2 rounds:
+    the device shares the last round), gate_up the wide form without it (not yet measured);
+    a config given is launched as given."""
+    from chordq.kernels import triton_w4a16
+
+    monkeypatch.setattr(triton_w4a16, "_gluon_usable", lambda device, w_order: True)
+    monkeypatch.setattr(triton_w4a16, "_num_sms", lambda device: 132)
+
+    def config(routes, e, n, k, **kw):
+        return triton_w4a16.indexed_config(routes, e, n, k, 64, w_order="blocked",
+                                           device="cuda", **kw)
+
+    down = config(2048, 48, 7168, 2048)
+    assert down == dataclasses.replace(GLUON_PREFILL_TILE_64, stream_k=1)
+    assert down.label == "64,256,128,4,5,Z,K1,G"
+    assert config(2048, 48, 4096, 7168) == GLUON_PREFILL_TILE_64_WIDE
+    assert config(2048, 48, 7168, 2048, config=GLUON_PREFILL_TILE_64) == GLUON_PREFILL_TILE_64
+
+
 def test_wide_64_row_tile_config():
     """The wide form (512 weight rows, 3 slots) is a 64- or 32-row tile only, and its stage
     count is the kernel's ring (``gluon_prefill.WIDE_STAGES``)."""
@@ -532,7 +553,8 @@ def test_indexed_heuristic_takes_the_64_row_tile_on_sm90():
     from chordq.kernels.triton_w4a16 import indexed_config
 
     assert indexed_config(2048, 48, 7168, 2048, 64, w_order="subnormal",
-                          device="cuda") == GLUON_PREFILL_TILE_64  # EP8 down T=256
+                          device="cuda") == dataclasses.replace(GLUON_PREFILL_TILE_64,
+                                                                stream_k=1)  # EP8 down T=256
     # gate_up, fused or not: the wide form (16 column tiles of 48 blocks: 3 rounds, not 6)
     assert indexed_config(2048, 48, 2048, 7168, 64, activation="silu_mul", w_order="subnormal",
                           device="cuda") == dataclasses.replace(GLUON_PREFILL_TILE_64_WIDE,
