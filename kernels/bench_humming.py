@@ -711,7 +711,8 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         "chordq's PyTorch reference on the checked experts' rows. chordq's weights: "
         f"{meta.get('w_order', 'checkpoint')} (converted once, untimed, as Humming's "
         "transform()). Tiles: chordq BM,BN,BK,warps,stages (P planes / Q pairs / F fragments "
-        "/ Z subnormal K order, S split-K, R register cap); Humming (block shape) mma x CTAs/SM "
+        "/ Z subnormal K order, S split-K, R register cap, L column tiles a program, K "
+        "stream-K, G Gluon); Humming (block shape) mma x CTAs/SM "
         "(ws = warp-specialized, sk = stream-K).",
         "",
         "| layout | T | proj | experts | chordq tile | Humming tile | cos chordq / Humming "

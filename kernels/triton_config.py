@@ -20,7 +20,8 @@ __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
            "GLUON_PREFILL_TILE_128", "gluon_prefill_rows",
            "choose_gluon_prefill_wide", "gluon_prefill_64_applies",
            "GLUON_PREFILL_TILE_32", "GLUON_PREFILL_TILE_32_WIDE", "gluon_prefill_32_applies",
-           "GLUON_PREFILL_TILES", "GLUON_PREFILL_WIDE_TILES", "GLUON_PREFILL_STREAM_K_ROWS"]
+           "GLUON_PREFILL_TILES", "GLUON_PREFILL_WIDE_TILES", "GLUON_PREFILL_STREAM_K_ROWS",
+           "GLUON_PREFILL_WIDE_STREAM_K_ROWS"]
 
 GROUP_SIZE = 32
 # token rows a block of gluon_w4a16's mma.sync decode tile holds (n8 fragments in registers)
@@ -233,7 +234,9 @@ GLUON_PREFILL_TILE_32_WIDE = dataclasses.replace(GLUON_PREFILL_TILE_64_WIDE, blo
 # tile took 0.965 of its plain time at EP8 down T=256 (10.2 rounds; 0.98-0.983 in the
 # timeline lab), 1.01 with a full last round. Not yet for the 96-row tile (gate_up 0.93-0.97,
 # down 1.00-1.01), the 128-row and the wide forms (not measured): performance.md §29.
-GLUON_PREFILL_STREAM_K_ROWS = (64,)
+GLUON_PREFILL_STREAM_K_ROWS: tuple[int, ...] = (64,)
+# the same for the wide form (none yet; scripts/bench_kernels.py --wide-stream-k-rows tries them)
+GLUON_PREFILL_WIDE_STREAM_K_ROWS: tuple[int, ...] = ()
 GLUON_PREFILL_TILES = {128: GLUON_PREFILL_TILE_128, 96: GLUON_PREFILL_TILE,
                        64: GLUON_PREFILL_TILE_64, 32: GLUON_PREFILL_TILE_32}
 GLUON_PREFILL_WIDE_TILES = {64: GLUON_PREFILL_TILE_64_WIDE, 32: GLUON_PREFILL_TILE_32_WIDE}

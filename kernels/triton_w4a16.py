@@ -1001,11 +1001,12 @@ def indexed_config(
                 and triton_config.choose_gluon_prefill_wide(busy_blocks, n, gated,
                                                             _num_sms(device))):
             wide = triton_config.GLUON_PREFILL_WIDE_TILES[cfg.block_m]
-            return dataclasses.replace(cfg, block_n=2 * cfg.block_n, num_stages=wide.num_stages)
-        if cfg.block_m in triton_config.GLUON_PREFILL_STREAM_K_ROWS:
-            return dataclasses.replace(cfg, stream_k=1)
+            sk = int(cfg.block_m in triton_config.GLUON_PREFILL_WIDE_STREAM_K_ROWS)
+            return dataclasses.replace(cfg, block_n=2 * cfg.block_n, num_stages=wide.num_stages,
+                                       stream_k=sk)
         if cfg.block_m != 32:
-            return cfg
+            sk = int(cfg.block_m in triton_config.GLUON_PREFILL_STREAM_K_ROWS)
+            return dataclasses.replace(cfg, stream_k=sk) if sk else cfg
         # 32-row blocks take the Gluon tile in its wide form only: the 256-row form ran
         # 1.00-1.03 of the Triton tile's time at EP8 down T=128 (variant 60)
         cfg = choose_config(num_routes / num_experts, n, k, gated=gated, block_m=block_m,

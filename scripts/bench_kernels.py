@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "fastest, moe.prepare_weights' choice for Kimi), the same not in row "
                           "blocks, fragment words alone, or as checkpointed (default: "
                           "%(default)s)")
+    cmp.add_argument("--stream-k-rows", type=int, nargs="*", default=None, metavar="BM",
+                     help="the Gluon prefill blocks (64, 96, 128) whose 256-row tile the "
+                          "heuristic runs with stream-K (default: "
+                          "triton_config.GLUON_PREFILL_STREAM_K_ROWS; none: give the flag alone)")
+    cmp.add_argument("--wide-stream-k-rows", type=int, nargs="*", default=None, metavar="BM",
+                     help="the same for the wide form (64, 32; default: "
+                          "triton_config.GLUON_PREFILL_WIDE_STREAM_K_ROWS)")
     return parser
 
 
@@ -85,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device found; nothing to benchmark.", file=sys.stderr)
         return 0
+    from chordq.kernels import triton_config
+
+    if args.stream_k_rows is not None:  # the heuristic reads these at each call
+        triton_config.GLUON_PREFILL_STREAM_K_ROWS = tuple(args.stream_k_rows)
+    if args.wide_stream_k_rows is not None:
+        triton_config.GLUON_PREFILL_WIDE_STREAM_K_ROWS = tuple(args.wide_stream_k_rows)
     if args.against == "humming":
         from chordq.kernels.bench_humming import (
             DEFAULT_TOKENS as HUMMING_TOKENS,

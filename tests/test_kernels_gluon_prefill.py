@@ -142,7 +142,7 @@ def test_64_row_blocks_take_stream_k_in_the_256_row_form(monkeypatch):
     an expert: EP8 down takes the 256-row 64-row tile with stream-K (1344 tiles, 10.2 rounds:
     the device shares the last round), gate_up the wide form without it (not yet measured);
     a config given is launched as given."""
-    from chordq.kernels import triton_w4a16
+    from chordq.kernels import triton_config, triton_w4a16
 
     monkeypatch.setattr(triton_w4a16, "_gluon_usable", lambda device, w_order: True)
     monkeypatch.setattr(triton_w4a16, "_num_sms", lambda device: 132)
@@ -156,6 +156,12 @@ def test_64_row_blocks_take_stream_k_in_the_256_row_form(monkeypatch):
     assert down.label == "64,256,128,4,5,Z,K1,G"
     assert config(2048, 48, 4096, 7168) == GLUON_PREFILL_TILE_64_WIDE
     assert config(2048, 48, 7168, 2048, config=GLUON_PREFILL_TILE_64) == GLUON_PREFILL_TILE_64
+    # the rows the heuristic reads at each call (scripts/bench_kernels.py --stream-k-rows)
+    monkeypatch.setattr(triton_config, "GLUON_PREFILL_STREAM_K_ROWS", ())
+    monkeypatch.setattr(triton_config, "GLUON_PREFILL_WIDE_STREAM_K_ROWS", (64,))
+    assert config(2048, 48, 7168, 2048) == GLUON_PREFILL_TILE_64
+    assert config(2048, 48, 4096, 7168) == dataclasses.replace(GLUON_PREFILL_TILE_64_WIDE,
+                                                                stream_k=1)
 
 
 def test_wide_64_row_tile_config():
