@@ -228,6 +228,9 @@ GLUON_PREFILL_TILE_128 = dataclasses.replace(GLUON_PREFILL_TILE, block_m=128, nu
 GLUON_PREFILL_TILE_32 = dataclasses.replace(GLUON_PREFILL_TILE_64, block_m=32)
 GLUON_PREFILL_TILE_32_WIDE = dataclasses.replace(GLUON_PREFILL_TILE_64_WIDE, block_m=32)
 # The prefill tiles by block rows: the 256-weight-row form, and the wide form where there is one
+GLUON_PREFILL_TILES = {128: GLUON_PREFILL_TILE_128, 96: GLUON_PREFILL_TILE,
+                       64: GLUON_PREFILL_TILE_64, 32: GLUON_PREFILL_TILE_32}
+GLUON_PREFILL_WIDE_TILES = {64: GLUON_PREFILL_TILE_64_WIDE, 32: GLUON_PREFILL_TILE_32_WIDE}
 # The blocks whose 256-row Gluon prefill tile the heuristic runs with stream-K (stream_k 1: the
 # persistent programs share a last round under 80% full by K steps, decided on the device from
 # the draw's tiles). With the handover by a flag (variant 62, H100, same process) the 64-row
@@ -237,9 +240,6 @@ GLUON_PREFILL_TILE_32_WIDE = dataclasses.replace(GLUON_PREFILL_TILE_64_WIDE, blo
 GLUON_PREFILL_STREAM_K_ROWS: tuple[int, ...] = (64,)
 # the same for the wide form (none yet; scripts/bench_kernels.py --wide-stream-k-rows tries them)
 GLUON_PREFILL_WIDE_STREAM_K_ROWS: tuple[int, ...] = ()
-GLUON_PREFILL_TILES = {128: GLUON_PREFILL_TILE_128, 96: GLUON_PREFILL_TILE,
-                       64: GLUON_PREFILL_TILE_64, 32: GLUON_PREFILL_TILE_32}
-GLUON_PREFILL_WIDE_TILES = {64: GLUON_PREFILL_TILE_64_WIDE, 32: GLUON_PREFILL_TILE_32_WIDE}
 # A wide tile's time against two 256-row tiles' (variant 55: 0.91-0.94 in equal rounds, and
 # 1.03 * 11 / 12 = 0.94 at EP8 down, where the wide grid took 6 rounds against 11)
 GLUON_PREFILL_WIDE_PAIR = 0.94

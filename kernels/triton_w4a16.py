@@ -950,6 +950,14 @@ def _stream_k_buffers(device: torch.device, programs: int, tile: int, use: str =
     return have
 
 
+def _stream_k_buffers_left_zero() -> bool:
+    """Whether every stream-K buffer is as the next launch on its stream expects: the counts
+    zero, and the partials too where kernels add into them ("add"; the "handover" partials
+    are written before they are read)."""
+    return all(not arrivals.any() and (use == "handover" or not parts.any())
+               for (_, _, use), (parts, arrivals) in _STREAM_K_BUFFERS.items())
+
+
 def indexed_config(
     num_routes: int,
     num_experts: int,
@@ -1006,7 +1014,7 @@ def indexed_config(
                                        stream_k=sk)
         if cfg.block_m != 32:
             sk = int(cfg.block_m in triton_config.GLUON_PREFILL_STREAM_K_ROWS)
-            return dataclasses.replace(cfg, stream_k=sk) if sk else cfg
+            return dataclasses.replace(cfg, stream_k=sk)
         # 32-row blocks take the Gluon tile in its wide form only: the 256-row form ran
         # 1.00-1.03 of the Triton tile's time at EP8 down T=128 (variant 60)
         cfg = choose_config(num_routes / num_experts, n, k, gated=gated, block_m=block_m,

@@ -359,8 +359,7 @@ def test_gluon_tile_stream_k(programs, activation, monkeypatch):
         return run()
 
     check_indexed_tile(8, 6, 256, 1792, 9, 4, 4, activation, launch=launch)
-    for (_, _, use), (parts, arrivals) in triton_w4a16._STREAM_K_BUFFERS.items():
-        assert not arrivals.any() and (use == "handover" or not parts.any())
+    assert triton_w4a16._stream_k_buffers_left_zero()
 
 
 @pytest.mark.parametrize("w_order", ["blocked", "subnormal"])

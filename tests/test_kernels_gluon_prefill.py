@@ -502,8 +502,7 @@ def test_stream_k_tile_matches_the_reference(monkeypatch, block_m, wide, activat
     for _ in range(2):
         check_indexed_tile(block_m, 4, 1024, 2048, 100, 2, None, activation, config=cfg,
                            w_order="blocked")
-    for (_, _, use), (parts, arrivals) in triton_w4a16._STREAM_K_BUFFERS.items():
-        assert not arrivals.any() and (use == "handover" or not parts.any())
+    assert triton_w4a16._stream_k_buffers_left_zero()
     assert any(use == "handover" for _, _, use in triton_w4a16._STREAM_K_BUFFERS)
 
 

@@ -278,8 +278,7 @@ def test_indexed_stream_k(device, cfg, gated, monkeypatch):
     monkeypatch.setattr(triton_w4a16, "_num_sms", lambda device: 1)
     check_indexed_with_remote_expert(device, cfg, 9, 4, 8, 128, 256, remote=2,
                                      activation="silu_mul" if gated else None)
-    for (_, _, use), (parts, arrivals) in triton_w4a16._STREAM_K_BUFFERS.items():
-        assert not arrivals.any() and (use == "handover" or not parts.any())
+    assert triton_w4a16._stream_k_buffers_left_zero()
 
 
 @pytest.mark.parametrize("device", DEVICES)
