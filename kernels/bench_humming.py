@@ -37,6 +37,7 @@ a run cut short by a timeout keeps what it measured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib
@@ -487,6 +488,26 @@ class Options:
     check_routes: int = 2048
     seed: int = 0
     w_order: str = "blocked"  # chordq's weights: converted once, like Humming's transform()
+    # "chordq_alt": chordq again with these triton_config constants in force while its launches
+    # are chosen and captured (e.g. {"GLUON_PREFILL_STREAM_K_ROWS": (64, 96)}), timed in the
+    # same interleaved graphs: an A/B of a heuristic setting in one process
+    alt: dict[str, tuple[int, ...]] | None = None
+
+
+@contextlib.contextmanager
+def config_overrides(values: dict[str, tuple[int, ...]] | None):
+    """``triton_config`` module constants set to ``values`` inside the block (the heuristics
+    read them at each call), restored after."""
+    from . import triton_config
+
+    old = {name: getattr(triton_config, name) for name in values or {}}
+    try:
+        for name, value in (values or {}).items():
+            setattr(triton_config, name, tuple(value))
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(triton_config, name, value)
 
 
 def convert_weights(words: torch.Tensor, scales: torch.Tensor, w_order: str
@@ -539,10 +560,12 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
     # chordq: plain GEMM (what Humming computes) and, for gate_up, the shipped fused kernel.
     variants = [("chordq", None)] + ([("chordq_fused", "silu_mul")]
                                      if opts.fused and p.proj == "gate_up" else [])
+    variants += [("chordq_alt", None)] if opts.alt else []
     ref_aligned = None
     for name, act in variants:
         res: dict[str, Any] = {}
         row[name] = res
+        overrides = opts.alt if name == "chordq_alt" else None
         try:
             gated = act is not None
             n_out = p.n // 2 if gated else p.n
@@ -551,16 +574,19 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
             pieces = align_row_tiles(topk_ids, row_tiles(rows_per_expert, n_out, p.k,
                                                          p.num_experts, dev, opts.w_order,
                                                          gated=gated), p.num_experts)
-            labels = [indexed_config(rows, p.num_experts, n_out, p.k, bm, activation=act,
-                                     w_order=opts.w_order, device=dev,
-                                     live_blocks=a[1].numel()).label
-                      for bm, a in pieces]
+            with config_overrides(overrides):
+                labels = [indexed_config(rows, p.num_experts, n_out, p.k, bm, activation=act,
+                                         w_order=opts.w_order, device=dev,
+                                         live_blocks=a[1].numel()).label
+                          for bm, a in pieces]
             out = torch.empty(rows, n_out, dtype=torch.bfloat16, device=dev)
             res.update(config=" + ".join(labels), block_m=pieces[0][0])
 
-            def fn(pieces=pieces, out=out, act=act):
-                return moe_gemm_mixed_triton(x, chordq_words, chordq_scales, pieces, p.top_k,
-                                             activation=act, out=out, w_order=opts.w_order)
+            def fn(pieces=pieces, out=out, act=act, overrides=overrides):
+                with config_overrides(overrides):  # a graph keeps the launches captured here
+                    return moe_gemm_mixed_triton(x, chordq_words, chordq_scales, pieces,
+                                                 p.top_k, activation=act, out=out,
+                                                 w_order=opts.w_order)
 
             t0 = time.perf_counter()
             fn()
@@ -651,7 +677,7 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
         for name, res in time_do_bench({n: fns[n] for n in order}, opts.do_bench_warmup,
                                        opts.do_bench_rep).items():
             row[name].update(res)
-    for name in ("chordq", "chordq_fused", "humming"):
+    for name in ("chordq", "chordq_fused", "chordq_alt", "humming"):
         res = row.get(name)
         if isinstance(res, dict) and res.get("graph_us"):
             res["pct_of_floor"] = 100.0 * fl["floor_us"] / res["graph_us"]
@@ -660,6 +686,11 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
         row[key] = a / b if a and b else None
     row["ratio_reps"] = ratio_reps(row["chordq"].get("graph_reps"),
                                    row["humming"].get("graph_reps"))
+    if "chordq_alt" in row:
+        a, b = row["chordq_alt"].get("graph_us"), row["chordq"].get("graph_us")
+        row["ratio_alt"] = a / b if a and b else None
+        row["ratio_alt_reps"] = ratio_reps(row["chordq_alt"].get("graph_reps"),
+                                           row["chordq"].get("graph_reps"))
     return row
 
 
@@ -746,8 +777,20 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         if s["n"] == 2:
             ratio = s["chordq"] / s["humming"] if s["humming"] else math.nan
             lines.append(f"- {layout} T={t}: {s['chordq']:.1f} / {s['humming']:.1f} / {ratio:.2f}")
+    alts = [r for r in rows if "chordq_alt" in r]
+    if alts:
+        lines += ["", f"chordq alt ({meta.get('alt')}) / chordq, same process, graph µs "
+                  "(tiles, alt µs / chordq µs, ratio, per rep):", ""]
+        for r in alts:
+            a, c = r["chordq_alt"], r["chordq"]
+            lines.append(
+                f"- {r['layout']} T={r['tokens']} {r['projection']}: {a.get('config', 'err')} "
+                f"vs {c.get('config', 'err')}, {_f(a.get('graph_us'))} / "
+                f"{_f(c.get('graph_us'))}, {_f(r.get('ratio_alt'), '.3f')}, "
+                f"{'/'.join(f'{v:.3f}' for v in r.get('ratio_alt_reps') or []) or 'n/a'}"
+                f" (cos {_cos(a)})")
     errors = [f"- {r['layout']} T={r['tokens']} {r['projection']} {name}: {r[name]['error']}"
-              for r in rows for name in ("chordq", "chordq_fused", "humming")
+              for r in rows for name in ("chordq", "chordq_fused", "chordq_alt", "humming")
               if isinstance(r.get(name), dict) and "error" in r[name]
               and r[name]["error"] != "not requested"]
     errors += [f"- {r['layout']} T={r['tokens']} {r['projection']} reference: {r['check_error']}"
@@ -781,7 +824,7 @@ def _write(out_dir: Path | None, rows: list[dict], meta: dict) -> str:
             json.dumps({"meta": meta, "rows": clean, "tracebacks": [
                 {"layout": r["layout"], "tokens": r["tokens"], "projection": r["projection"],
                  "who": name, "traceback": r[name]["traceback"]}
-                for r in rows for name in ("chordq", "chordq_fused", "humming")
+                for r in rows for name in ("chordq", "chordq_fused", "chordq_alt", "humming")
                 if isinstance(r.get(name), dict) and "traceback" in r[name]]},
                 indent=2, default=str))
     return table
@@ -796,6 +839,7 @@ def _row_line(r: dict) -> str:
             f"({_f(h.get('pct_of_floor'), '.0f')}%) cos {_cos(h)} | "
             f"ratio {_f(r.get('ratio_graph'), '.2f')}"
             + (f" | chordq fused {fused:.1f} µs" if fused else "")
+            + (f" | alt / chordq {_f(r.get('ratio_alt'), '.3f')}" if "chordq_alt" in r else "")
             + f" | floor {r['floor_us']:.1f} µs")
 
 
@@ -911,7 +955,7 @@ def exit_status(result: dict) -> int:
     """0: all checked and compared; 1: some output failed its cos_diff check; 2: the Humming
     comparison did not run for some row (chordq numbers are still there)."""
     rows = result["rows"]
-    names = ("chordq", "chordq_fused", "humming")
+    names = ("chordq", "chordq_fused", "chordq_alt", "humming")
     if any(isinstance(r.get(n), dict) and r[n].get("ok") is False for r in rows for n in names):
         return 1
     if any("error" in r.get("chordq", {}) or "check_error" in r for r in rows):

@@ -81,7 +81,31 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--wide-stream-k-rows", type=int, nargs="*", default=None, metavar="BM",
                      help="the same for the wide form (64, 32; default: "
                           "triton_config.GLUON_PREFILL_WIDE_STREAM_K_ROWS)")
+    cmp.add_argument("--alt", nargs="+", default=None, metavar="NAME=BM,..",
+                     help="also time chordq with these triton_config constants set (e.g. "
+                          "GLUON_PREFILL_STREAM_K_ROWS=64,96 GLUON_PREFILL_WIDE_STREAM_K_ROWS=), "
+                          "in the same interleaved graphs: the table adds alt / chordq per row")
     return parser
+
+
+def parse_alt(items: list[str] | None) -> dict[str, tuple[int, ...]] | None:
+    """``--alt NAME=1,2 ..`` -> ``{"NAME": (1, 2)}``, each NAME a tuple constant of
+    ``triton_config``."""
+    from chordq.kernels import triton_config
+
+    if not items:
+        return None
+    out = {}
+    for item in items:
+        name, _, values = item.partition("=")
+        if not isinstance(getattr(triton_config, name, None), tuple):
+            raise SystemExit(f"bench_kernels: --alt {item}: {name!r} is not a tuple constant of "
+                             f"chordq.kernels.triton_config")
+        try:
+            out[name] = tuple(int(v) for v in values.split(",") if v)
+        except ValueError:
+            raise SystemExit(f"bench_kernels: --alt {item}: give integers, e.g. {name}=64,96") from None
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                        do_bench_warmup=10 if args.quick else args.do_bench_warmup,
                        do_bench_rep=50 if args.quick else args.do_bench_rep,
                        fused=not args.no_fused, check_routes=args.check_routes, seed=args.seed,
-                       w_order=args.w_order)
+                       w_order=args.w_order, alt=parse_alt(args.alt))
         result = run_comparison(tuple(args.tokens or HUMMING_TOKENS), tuple(args.layouts),
                                 humming_wheel=args.humming_wheel, out_dir=args.out, opts=opts,
                                 max_minutes=args.max_minutes, humming_target=args.humming_target)

@@ -393,3 +393,59 @@ def test_ratio_per_repetition_pairs_the_neighbours():
                          graph_us=200.0), ratio_reps=reps)
     md = bh.render_markdown([row], {"calls": 20, "reps": 3})
     assert "| 2.00 | 1.02/1.15/1.06 |" in md
+
+
+def test_alt_contestant_runs_under_its_overrides(fake_humming, tmp_path, monkeypatch):
+    """``Options.alt``: a second chordq contestant whose launches are chosen with the given
+    ``triton_config`` constants (seen by the kernel wrapper at call time), checked against the
+    reference, timed beside chordq and reported as alt / chordq; the constants come back."""
+    from chordq.kernels import triton_config, triton_w4a16
+
+    tiny = (bh.Problem("EP8", "down", 12, 256, 256),)
+    monkeypatch.setitem(bh.LAYOUTS, "EP8", tiny)
+    timings = {"chordq": 40.0, "chordq_alt": 30.0, "humming": 20.0}
+    monkeypatch.setattr(bh, "time_graphs", lambda fns, reps, calls: {
+        n: {"graph_us": timings[n], "graph_reps": [timings[n]] * reps}
+        for n in fns if n in timings})
+    seen = []
+    real = triton_w4a16.moe_gemm_mixed_triton
+
+    def spy(*args, **kwargs):
+        seen.append(triton_config.GLUON_PREFILL_STREAM_K_ROWS)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_w4a16, "moe_gemm_mixed_triton", spy)
+    before = triton_config.GLUON_PREFILL_STREAM_K_ROWS
+    alt = {"GLUON_PREFILL_STREAM_K_ROWS": (96, 128)}
+    result = bh.run_comparison((2,), ("EP8",), humming_wheel=str(fake_humming),
+                               out_dir=tmp_path / "o", opts=bh.Options(
+                                   check_routes=8, do_bench=False, alt=alt), device="cpu")
+    (row,) = result["rows"]
+    assert seen == [before, (96, 128)]  # chordq's first call, then the alt's
+    assert triton_config.GLUON_PREFILL_STREAM_K_ROWS == before
+    assert row["chordq_alt"]["ok"] and row["chordq_alt"]["cos_diff"] < 1e-6
+    assert row["ratio_alt"] == pytest.approx(0.75)
+    assert row["ratio_alt_reps"] == pytest.approx([0.75] * 6)
+    md = (tmp_path / "o" / "bench_humming.md").read_text()
+    assert "chordq alt ({'GLUON_PREFILL_STREAM_K_ROWS': (96, 128)}) / chordq" in md
+    assert "30.0 / 40.0, 0.750, 0.750/" in md
+    assert bh.exit_status(result) == 0
+    with pytest.raises(ZeroDivisionError), bh.config_overrides(alt):
+        assert triton_config.GLUON_PREFILL_STREAM_K_ROWS == (96, 128)
+        1 / 0
+    assert triton_config.GLUON_PREFILL_STREAM_K_ROWS == before
+
+
+def test_script_alt_flag():
+    script = _script()
+    assert script.parse_alt(["GLUON_PREFILL_STREAM_K_ROWS=64,96",
+                             "GLUON_PREFILL_WIDE_STREAM_K_ROWS="]) == {
+        "GLUON_PREFILL_STREAM_K_ROWS": (64, 96), "GLUON_PREFILL_WIDE_STREAM_K_ROWS": ()}
+    assert script.parse_alt(None) is None
+    with pytest.raises(SystemExit, match="not a tuple constant"):
+        script.parse_alt(["GLUON_PREFILL_TILE=1"])
+    with pytest.raises(SystemExit, match="give integers"):
+        script.parse_alt(["GLUON_PREFILL_STREAM_K_ROWS=a"])
+    args = script.build_parser().parse_args(
+        ["--against", "humming", "--alt", "GLUON_PREFILL_STREAM_K_ROWS=96"])
+    assert args.alt == ["GLUON_PREFILL_STREAM_K_ROWS=96"]
