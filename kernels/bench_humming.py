@@ -779,8 +779,9 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
             lines.append(f"- {layout} T={t}: {s['chordq']:.1f} / {s['humming']:.1f} / {ratio:.2f}")
     alts = [r for r in rows if "chordq_alt" in r]
     if alts:
-        lines += ["", f"chordq alt ({meta.get('alt')}) / chordq, same process, graph µs "
-                  "(tiles, alt µs / chordq µs, ratio, per rep):", ""]
+        head = (f"chordq alt ({meta.get('alt')}) / chordq, same process, graph µs (tiles, "
+                "alt µs / chordq µs, ratio, per rep):")
+        lines += ["", head, ""]
         for r in alts:
             a, c = r["chordq_alt"], r["chordq"]
             lines.append(
