@@ -263,10 +263,9 @@ def _schedule(tiles, SK: gl.constexpr):
 @gluon.jit
 def _sk_range(programs, shared, num_steps):
     """This program's range of the shared tiles' step pairs, ``[it, end)`` (empty past
-    ``programs``; ``_schedule``). 32-bit: the host bounds ``programs x total`` (under 2^31;
-    each 64-bit division in the walk cost 0.1-0.2 µs a piece, variant 62's timeline)."""
+    ``programs``; ``_schedule``)."""
     pid = gl.program_id(0)
-    total = shared * (num_steps // 2)
+    total = shared.to(gl.int64) * (num_steps // 2)
     it = pid * total // programs
     end = gl.where(pid < programs, (pid + 1) * total // programs, it)
     return it, end
@@ -278,9 +277,9 @@ def _sk_piece(j, mine, it, end, whole, programs, num_steps):
     ``j``-th whole tile while ``j < mine``, then the shared tiles' steps from pair ``it`` (up
     to ``end``, within one tile). One loop walks both (one copy of the consumer's K loop)."""
     pairs = num_steps // 2
-    tile = whole + it // pairs
-    first = it - (tile - whole) * pairs
-    num = gl.minimum(pairs - first, end - it)
+    tile = whole + (it // pairs).to(gl.int32)
+    first = (it - (tile - whole).to(gl.int64) * pairs).to(gl.int32)
+    num = gl.minimum(pairs - first, (end - it).to(gl.int32))
     own = j < mine
     return (gl.where(own, gl.program_id(0) + j * programs, tile), gl.where(own, 0, 2 * first),
             gl.where(own, num_steps, 2 * num), own)
@@ -821,10 +820,6 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
         raise ValueError("stream_k shares the persistent programs' last rounds: persistent only")
     tiles = (hi - lo) // block_n * grid_m
     programs = min(tiles, _num_sms(x.device)) if persistent else tiles
-    if stream_k and 2 * programs * programs * (k // block_k // 2) >= 2**31:
-        # _sk_range's 32-bit walk: programs x (under 2 rounds of tiles x step pairs)
-        raise ValueError(f"stream_k on {programs} programs and K={k} overflows the 32-bit "
-                         f"walk; launch it without stream_k")
     opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order, blocked, halves,
                            stream_k, k_split)
     w_desc, s_desc = _descriptors(w_packed, w_scale, k, block_k, gated and halves == 1, blocked,
