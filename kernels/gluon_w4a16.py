@@ -137,13 +137,13 @@ def _shared_layouts():
 
 
 @gluon.jit
-def _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, expert, pid_b, n0,
+def _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, expert, row0, n0,
                 first, num_steps, N, K, num_routes, stride_xm, TOP_K: gl.constexpr,
                 BN: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
                 BLOCKED: gl.constexpr, BM: gl.constexpr, num_warps: gl.constexpr):
-    """``C^T [BN, BM]`` of block ``pid_b`` (expert ``expert``) and the column tile from weight
-    row ``n0``, over K steps ``first .. first + num_steps``, through the copy ring in
-    ``w_smem``, ``x_smem``, ``s_smem``."""
+    """``C^T [BN, BM]`` of the ``BM`` routes at ``sorted_ids_ptr + row0`` (expert ``expert``)
+    and the column tile from weight row ``n0``, over K steps ``first .. first + num_steps``,
+    through the copy ring in ``w_smem``, ``x_smem``, ``s_smem``."""
     w_l: gl.constexpr = _layouts(BN, num_warps)[0]
     s3_l: gl.constexpr = _layouts(BN, num_warps)[1]
     x_l: gl.constexpr = _layouts(BN, num_warps, BM)[2]
@@ -177,7 +177,7 @@ def _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, exp
         s_step = 8
     xr = gl.arange(0, BM, layout=gl.SliceLayout(1, xc_l))
     xc = gl.arange(0, BK, layout=gl.SliceLayout(0, xc_l))
-    routes = gl.load(sorted_ids_ptr + pid_b * BM + xr)
+    routes = gl.load(sorted_ids_ptr + row0 + xr)
     routes = gl.where(routes < num_routes, routes, 0)  # sentinels read row 0, not stored
     x_ptrs = x_ptr + (routes // TOP_K).to(gl.int64)[:, None] * stride_xm + xc[None, :]
     w_ptrs += first * w_step
@@ -209,10 +209,10 @@ def _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, exp
 
 
 @gluon.jit
-def _store_out(acc, out_ptr, sorted_ids_ptr, pid_b, n0, num_routes, stride_om,
+def _store_out(acc, out_ptr, sorted_ids_ptr, row0, n0, num_routes, stride_om,
                OUT_N: gl.constexpr, BM: gl.constexpr, GATED: gl.constexpr, keep=True):
-    """Store a finished ``C^T`` tile as BF16 rows of ``out`` (GATED: SiLU(gate) * up);
-    ``keep``: a scalar mask, False stores nothing."""
+    """Store a finished ``C^T`` tile (the ``BM`` routes at ``sorted_ids_ptr + row0``) as BF16
+    rows of ``out`` (GATED: SiLU(gate) * up); ``keep``: a scalar mask, False stores nothing."""
     if GATED:  # rows [0, BN/2) gate, [BN/2, BN) up: the same threads, a register apart
         gate, up = gl.split(gl.permute(gl.reshape(acc, [2, OUT_N, BM]), [1, 2, 0]))
         gate = gate.to(gl.bfloat16).to(gl.float32)
@@ -223,7 +223,7 @@ def _store_out(acc, out_ptr, sorted_ids_ptr, pid_b, n0, num_routes, stride_om,
     o_l: gl.constexpr = res.type.layout
     orow = gl.arange(0, OUT_N, layout=gl.SliceLayout(1, o_l))
     ocol = gl.arange(0, BM, layout=gl.SliceLayout(0, o_l))
-    oroutes = gl.load(sorted_ids_ptr + pid_b * BM + ocol)
+    oroutes = gl.load(sorted_ids_ptr + row0 + ocol)
     o_ptrs = out_ptr + oroutes.to(gl.int64)[None, :] * stride_om + (n0 + orow)[:, None]
     gl.store(o_ptrs, res.to(gl.bfloat16), mask=(oroutes < num_routes)[None, :] & keep)
 
@@ -233,14 +233,18 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
                          N, K, num_routes, stride_xm, stride_om,
                          TOP_K: gl.constexpr, BN: gl.constexpr, GATED: gl.constexpr,
                          STAGES: gl.constexpr, BLOCKED: gl.constexpr, BM: gl.constexpr,
-                         num_warps: gl.constexpr, SPLIT: gl.constexpr = 1):
+                         num_warps: gl.constexpr, SPLIT: gl.constexpr = 1,
+                         HALVE: gl.constexpr = False):
     """One (BM-row block, column tile): ``C^T [BN, BM]`` over all of K, then the store. With
     GATED the tile's rows are ``BN / 2`` gate rows and the matching up rows (``N + n``), kept
     in the same threads (the top row bit is a register bit) for the fused SiLU-and-mul.
     SPLIT > 1: program ``(.., .., s)`` runs the s-th share of the K steps and stores its FP32
     sums (before any activation) into ``out_ptr``'s partial ``s``.
     BLOCKED: words and scales in ``chordq.layout.row_blocks`` (a step of 128 rows is one
-    16 KB piece of words)."""
+    16 KB piece of words). HALVE (16-row blocks, no SPLIT): a block whose last 8 rows are all
+    padding runs as an 8-row block (one ``mma.sync`` n8 fragment a slice instead of two), so
+    one launch serves experts of up to 8 rows at the 8-row tile's cost and those of 9-16 rows
+    in one block instead of two."""
     mma: gl.constexpr = _mma_layout(num_warps)
     OUT_N: gl.constexpr = BN // 2 if GATED else BN
 
@@ -250,7 +254,6 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
     if (pid_b * BM < gl.load(ntp_ptr)) & (expert >= 0):
         n0 = pid_n * OUT_N
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], _shared_layouts()[0])
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], _shared_layouts()[1])
         s_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, 8], _shared_layouts()[2])
         num_steps = K // BK
         first = 0
@@ -258,9 +261,30 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
             per = (num_steps + SPLIT - 1) // SPLIT
             first = gl.program_id(2) * per
             num_steps = gl.minimum(per, num_steps - first)
+        if HALVE:  # sorted ids keep an expert's routes first: row 8 tells if rows 8-15 are any
+            # each branch its own X ring (disjoint lifetimes: the allocator overlaps them)
+            if gl.load(sorted_ids_ptr + pid_b * BM + BM // 2) < num_routes:
+                x16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK],
+                                                _shared_layouts()[1])
+                acc = _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x16, s_smem,
+                                  expert, pid_b * BM, n0, first, num_steps, N, K, num_routes,
+                                  stride_xm, TOP_K, BN, GATED, STAGES, BLOCKED, BM, num_warps)
+                _store_out(acc, out_ptr, sorted_ids_ptr, pid_b * BM, n0, num_routes,
+                           stride_om, OUT_N, BM, GATED)
+            else:
+                x8 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM // 2, BK],
+                                               _shared_layouts()[1])
+                half = _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x8, s_smem,
+                                   expert, pid_b * BM, n0, first, num_steps, N, K, num_routes,
+                                   stride_xm, TOP_K, BN, GATED, STAGES, BLOCKED, BM // 2,
+                                   num_warps)
+                _store_out(half, out_ptr, sorted_ids_ptr, pid_b * BM, n0, num_routes,
+                           stride_om, OUT_N, BM // 2, GATED)
+            return
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], _shared_layouts()[1])
         acc = _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, expert,
-                          pid_b, n0, first, num_steps, N, K, num_routes, stride_xm, TOP_K, BN,
-                          GATED, STAGES, BLOCKED, BM, num_warps)
+                          pid_b * BM, n0, first, num_steps, N, K, num_routes, stride_xm, TOP_K,
+                          BN, GATED, STAGES, BLOCKED, BM, num_warps)
         if SPLIT > 1:  # FP32 partial [SPLIT, num_routes, n_w] (gate, then up columns): the
             # reduce kernel (triton_w4a16._split_k_reduce_kernel) sums and finishes
             prow = _weight_rows(gl.arange(0, BN, layout=gl.SliceLayout(1, mma)), n0, N, OUT_N,
@@ -271,8 +295,8 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
                       + proutes.to(gl.int64)[None, :] * stride_om + prow[:, None])
             gl.store(p_ptrs, acc, mask=(proutes < num_routes)[None, :])
         else:
-            _store_out(acc, out_ptr, sorted_ids_ptr, pid_b, n0, num_routes, stride_om, OUT_N,
-                       BM, GATED)
+            _store_out(acc, out_ptr, sorted_ids_ptr, pid_b * BM, n0, num_routes, stride_om,
+                       OUT_N, BM, GATED)
 
 
 @gluon.jit
@@ -293,8 +317,8 @@ def _decode_piece(tile, first, num, steps, slot, col_tiles, x_ptr, w_ptr, s_ptr,
     if expert >= 0:  # both programs of a cut tile skip an expert of another rank alike
         _barrier()  # every warp is done with the copy ring's last piece
         acc = _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, expert,
-                          pid_b, n0, first, num, N, K, num_routes, stride_xm, TOP_K, BN, GATED,
-                          STAGES, BLOCKED, BM, num_warps)
+                          pid_b * BM, n0, first, num, N, K, num_routes, stride_xm, TOP_K, BN,
+                          GATED, STAGES, BLOCKED, BM, num_warps)
         # Masks, not branches, pick what happens: Triton 3.6 fails to lower this kernel with
         # a store under either branch of a run-time condition next to another store
         cut = num < steps
@@ -310,8 +334,8 @@ def _decode_piece(tile, first, num, steps, slot, col_tiles, x_ptr, w_ptr, s_ptr,
         total = gl.atomic_add(part, zeros.to(gl.float32), mask=last, sem="relaxed")
         gl.store(part, zeros.to(gl.float32), mask=last)
         gl.store(arrivals_ptr + slot, 0, mask=second)
-        _store_out(gl.where(cut, total, acc), out_ptr, sorted_ids_ptr, pid_b, n0, num_routes,
-                   stride_om, OUT_N, BM, GATED, (not cut) | second)
+        _store_out(gl.where(cut, total, acc), out_ptr, sorted_ids_ptr, pid_b * BM, n0,
+                   num_routes, stride_om, OUT_N, BM, GATED, (not cut) | second)
 
 
 @gluon.jit
@@ -464,8 +488,8 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
                            *, num_routes: int, grid_m: int, block_n: int, num_warps: int,
                            num_stages: int, gated: bool, blocked: bool = False,
                            n_tiles: int = 1, block_m: int = 8, split_k: int = 1,
-                           max_registers: int | None = None, stream_k: int = 0
-                           ) -> torch.Tensor:
+                           max_registers: int | None = None, stream_k: int = 0,
+                           halve: bool = False) -> torch.Tensor:
     """Launch the decode tile on ``block_m``-row blocks (8, 16 or 32);
     ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments (subnormal weights, the
     blocks' alignment) and calls this for ``backend="gluon"`` configs.
@@ -475,7 +499,9 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
     of the K steps, summed and finished by ``triton_w4a16._split_k_reduce_kernel``
     (``triton_config.choose_gluon_split_k``); ``max_registers``: Triton's ``maxnreg`` (a lab
     option). ``stream_k`` > 0: that many persistent programs an SM
-    (``_w4a16_decode_sk_kernel``, ``triton_config.choose_gluon_stream_k``)."""
+    (``_w4a16_decode_sk_kernel``, ``triton_config.choose_gluon_stream_k``). ``halve`` (a lab
+    option; 16-row blocks, no split or stream-K): a block whose last 8 rows are padding runs
+    as an 8-row one (``_w4a16_decode_kernel``'s HALVE)."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
     out_n = block_n // 2 if gated else block_n
@@ -495,6 +521,11 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
             N_TILES=n_tiles, STAGES=num_stages, num_warps=num_warps)
         return out
     opts = {} if max_registers is None else {"maxnreg": max_registers}
+    if halve:
+        if block_m != 16 or split_k > 1 or stream_k:
+            raise ValueError(f"halve runs 16-row blocks without split_k or stream_k, got "
+                             f"block_m={block_m}, split_k={split_k}, stream_k={stream_k}")
+        opts["HALVE"] = True
     if stream_k:
         if split_k > 1 or block_m != 8:
             raise ValueError(f"stream_k runs the 8-row tile without split_k, got block_m="
@@ -559,10 +590,11 @@ def compile_kernel_sm90(fn, consts: dict, types: dict | None = None, **options):
 
 def compile_sm90(block_n: int = 128, num_warps: int = 4, num_stages: int = 2, gated: bool = False,
                  top_k: int = 8, blocked: bool = True, n_tiles: int = 1, block_m: int = 8,
-                 stream_k: int = 0):
+                 stream_k: int = 0, halve: bool = False):
     """The decode tile built for sm_90 on the CPU (``compile_kernel_sm90``: tests, kernel lab);
     ``n_tiles`` > 1: the column-looping form; ``stream_k`` > 0: the stream-K form under the
-    register cap that ``moe_gemm_indexed_gluon`` gives it."""
+    register cap that ``moe_gemm_indexed_gluon`` gives it; ``halve``: 16-row blocks that run
+    as 8 rows where their last 8 are padding."""
     if stream_k:
         return compile_kernel_sm90(_w4a16_decode_sk_kernel, {
             "TOP_K": top_k, "BN": block_n, "GATED": gated, "STAGES": num_stages,
@@ -575,4 +607,4 @@ def compile_sm90(block_n: int = 128, num_warps: int = 4, num_stages: int = 2, ga
             "num_warps": num_warps})
     return compile_kernel_sm90(_w4a16_decode_kernel, {
         "TOP_K": top_k, "BN": block_n, "GATED": gated, "STAGES": num_stages,
-        "BLOCKED": blocked, "BM": block_m, "num_warps": num_warps, "SPLIT": 1})
+        "BLOCKED": blocked, "BM": block_m, "num_warps": num_warps, "SPLIT": 1, "HALVE": halve})

@@ -175,6 +175,28 @@ def test_sm90_build_of_the_column_looping_tile():
     assert "STL" not in sass and "LDL" not in sass
 
 
+@pytest.mark.usefixtures("real_triton_compile")
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "silu_mul"])
+def test_sm90_build_of_the_halved_16_row_tile(gated):
+    """``halve``: the 16-row K loop (64 ``HMMA.16816``) and the 8-row one (32) in one build,
+    no spills."""
+    sass = _sass(_compile_sm90(gated, block_m=16, halve=True))
+    assert sass.count("HMMA.16816.F32.BF16") == 64 + 32
+    assert "STL" not in sass and "LDL" not in sass
+
+
+def test_halve_needs_16_row_blocks_without_split_or_stream_k():
+    pytest.importorskip("triton.experimental.gluon")
+    from chordq.kernels.gluon_w4a16 import moe_gemm_indexed_gluon
+
+    x, w = torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(1, 128, 32, dtype=torch.int32)
+    for kw in ({"block_m": 8}, {"block_m": 16, "split_k": 2}, {"block_m": 16, "stream_k": 4}):
+        with pytest.raises(ValueError, match="halve runs 16-row blocks"):
+            moe_gemm_indexed_gluon(x, w, None, None, None, None, 1, None, num_routes=1,
+                                   grid_m=1, block_n=128, num_warps=4, num_stages=2,
+                                   gated=False, halve=True, **kw)
+
+
 def test_gluon_backend_is_refused_off_the_gpu():
     from chordq.kernels import moe_gemm_indexed_triton
 
@@ -325,6 +347,26 @@ def test_gluon_tile_split_k_and_register_cap(split_k, max_registers, activation)
 
     # 7 K steps: splits of 4 + 3 and 3 + 3 + 1
     check_indexed_tile(8, 6, 256, 1792, 9, 4, 4, activation, launch=launch)
+
+
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@needs_sm90
+def test_gluon_tile_halved_16_row_blocks(activation):
+    """``halve``: 16-row blocks of up to 8 routes run as 8-row ones, fuller ones as 16; both
+    give the reference's results, and remote experts' rows stay untouched."""
+    from chordq.kernels.gluon_w4a16 import moe_gemm_indexed_gluon
+
+    def launch(x, w, s, aligned, out):
+        ids, experts, ntp = aligned
+        valid = (ids[: int(ntp)].view(-1, 16) < out.shape[0]).sum(1)[experts[: int(ntp) // 16] >= 0]
+        assert bool((valid <= 8).any()) and bool((valid > 8).any())  # both paths run
+        return moe_gemm_indexed_gluon(
+            x, w, s, *aligned, 4, out, num_routes=out.shape[0], grid_m=int(ntp) // 16,
+            block_n=128, num_warps=4, num_stages=2, gated=activation is not None, blocked=True,
+            block_m=16, halve=True)
+
+    # 12 tokens of top-4 over 6 experts, 4 of them local: 6, 10, 7 and 9 routes
+    check_indexed_tile(16, 6, 256, 1792, 12, 4, 4, activation, launch=launch)
 
 
 @pytest.mark.parametrize("shared", [{"split_k": 2}, {"stream_k": 4}], ids=["S2", "K4"])

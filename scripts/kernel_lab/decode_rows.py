@@ -9,8 +9,14 @@ sm_90 build: 118 / 170 registers, no spills). Whether ``mma.sync`` at 4 fragment
 keeps up with wgmma is what this measures.
 
 ``OUT=/tmp/lab GLUON_HUMMING=.whl [GLUON_T="128"] [TILES="8,2 32,3 64,2,128,8"] python3
-scripts/kernel_lab/decode_rows.py`` (``block_m,stages[,block_n,warps]``; default 128 weight
-rows, 4 warps).
+scripts/kernel_lab/decode_rows.py`` (``block_m,stages[,block_n,warps[,halve]]``; default 128
+weight rows, 4 warps; ``halve`` 1: 16-row blocks of up to 8 routes run as 8 rows, variant 63).
+
+Variant 63: at TP8 gate_up T=256 (5.3 routes per expert) 43 of 383 experts hold 9-12 routes,
+so 8-row blocks make 426 blocks (1704 tiles, 3.23 rounds of 528 program slots, the fourth
+round about one tile an SM) where Humming's stream-K evens them out; halved 16-row blocks make
+383 (2.90 rounds), 43 of them at the 16-row cost:
+``GLUON_T="TP8/256 TP8/128 EP8/32" TILES="8,2 16,2 16,2,128,4,1"``.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ import sys
 ROWS = [("EP8", "gate_up", 128), ("EP8", "down", 128), ("EP8", "gate_up", 256),
         ("EP8", "down", 256), ("TP8", "gate_up", 256), ("TP8", "gate_up", 512),
         ("TP8", "gate_up", 1024), ("EP8", "gate_up", 32), ("TP8", "gate_up", 128)]
-TILES = [(tuple(int(v) for v in c.split(",")) + (128, 4))[:4] for c in os.environ.get(
-    "TILES", "8,2 16,2 32,2 32,3 32,2,128,8 64,2,128,8 64,2,64,4").split()]
+TILES = [(tuple(int(v) for v in c.split(",")) + (128, 4, 0)[len(c.split(",")) - 2:])[:5]
+         for c in os.environ.get("TILES", "8,2 16,2 32,2 32,3 32,2,128,8 64,2,128,8 64,2,64,4"
+                                 ).split()]
 
 
 def gpu_main() -> None:
@@ -39,10 +46,10 @@ def gpu_main() -> None:
         pieces = align_row_tiles(c.topk, tiles, c.p.num_experts)
         add("triton blocked", tiles[0], lambda out, a, nb: moe_gemm_mixed_triton(
             c.x, wb, sb, pieces, c.p.top_k, out=out, w_order="blocked"))
-        for bm, stages, bn, warps in TILES:
-            add(f"G{bm} s{stages} {bn}x{warps}", bm, contest.gluon_decode(
+        for bm, stages, bn, warps, halve in TILES:
+            add(f"G{bm}{'h' if halve else ''} s{stages} {bn}x{warps}", bm, contest.gluon_decode(
                 c, wb, sb, block_n=bn, num_warps=warps, num_stages=stages, gated=False,
-                blocked=True, block_m=bm))
+                blocked=True, block_m=bm, halve=bool(halve)))
 
     contest.run(ROWS, os.environ.get("GLUON_T", ""),
                 os.path.join(os.environ.get("OUT", "/tmp/lab"), "decode_rows.json"),

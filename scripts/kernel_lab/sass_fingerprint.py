@@ -27,8 +27,8 @@ from chordq.kernels.triton_config import GLUON_PREFILL_TILES, GLUON_PREFILL_WIDE
 
 def builds():
     """``{name: thunk}``: every prefill block size and form (256-row and wide), plain and
-    fused, with and without stream-K, the unordered 96-row tile, the decode stream-K tiles and
-    the Triton stream-K kernel."""
+    fused, with and without stream-K, the unordered 96-row tile, the decode tile on 8-, 16-
+    and 32-row blocks, its stream-K form and the Triton stream-K kernel."""
     out = {}
     for (bm, tile), gated, sk in itertools.product(GLUON_PREFILL_TILES.items(), (False, True),
                                                   (False, True)):
@@ -40,6 +40,9 @@ def builds():
             out["prefill " + ",".join(f"{k}={v}" for k, v in kw.items())] = (
                 lambda kw=kw: gluon_prefill.compile_sm90(**kw))
     out["prefill block_m=96,order=False"] = lambda: gluon_prefill.compile_sm90(order=False)
+    for bm, gated in itertools.product((8, 16, 32), (False, True)):
+        out[f"decode block_m={bm},gated={gated}"] = (
+            lambda bm=bm, gated=gated: gluon_w4a16.compile_sm90(gated=gated, block_m=bm))
     for sk, gated in itertools.product((2, 4), (False, True)):
         out[f"decode stream_k={sk},gated={gated}"] = (
             lambda sk=sk, gated=gated: gluon_w4a16.compile_sm90(gated=gated, stream_k=sk))
