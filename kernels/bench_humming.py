@@ -491,11 +491,11 @@ class Options:
     # "chordq_alt": chordq again with these triton_config constants in force while its launches
     # are chosen and captured (e.g. {"GLUON_PREFILL_STREAM_K_ROWS": (64, 96)}), timed in the
     # same interleaved graphs: an A/B of a heuristic setting in one process
-    alt: dict[str, tuple[int, ...]] | None = None
+    alt: dict[str, tuple[float, ...]] | None = None
 
 
 @contextlib.contextmanager
-def config_overrides(values: dict[str, tuple[int, ...]] | None):
+def config_overrides(values: dict[str, tuple[float, ...]] | None):
     """``triton_config`` module constants set to ``values`` inside the block (the heuristics
     read them at each call), restored after."""
     from . import triton_config

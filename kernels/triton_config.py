@@ -639,6 +639,9 @@ def choose_gluon_n_tiles(blocks: int, rows_per_expert: float, n: int, k: int,
 # programs an SM of the stream-K Gluon decode tile: its register cap (128) fits 4, as the plain
 # tile's 102 registers do
 GLUON_STREAM_K_PER_SM = 4
+# the expected grids (in waves of those slots) the 8-row tile runs stream-K at: pairs of
+# bounds, lo, hi, lo, hi, .. (read at each call: `bench_kernels.py --alt` tries others)
+GLUON_STREAM_K_WAVES = (0.9, 1.25)
 
 
 def gluon_decode_waves(blocks: int, n: int, gated: bool, num_sms: int) -> float:
@@ -651,7 +654,8 @@ def gluon_decode_waves(blocks: int, n: int, gated: bool, num_sms: int) -> float:
 def choose_gluon_stream_k(blocks: int, n: int, k: int, gated: bool, num_sms: int) -> int:
     """``stream_k`` for the K-looping Gluon 8-row tile: ``GLUON_STREAM_K_PER_SM`` where the
     expected grid (``blocks`` busy 8-row blocks times column tiles) lies at the one-wave step,
-    0.9 to 1.25 waves of program slots; else 0 (one program a tile). There a draw that
+    0.9 to 1.25 waves of program slots (``GLUON_STREAM_K_WAVES``); else 0 (one program a
+    tile). There a draw that
     touches a few more experts than the mean leaves a few tiles to run alone in a second wave;
     the stream-K tile shares that thin wave out by K steps, and on a draw that fits one wave it
     runs one tile a program as the plain tile does.
@@ -663,7 +667,9 @@ def choose_gluon_stream_k(blocks: int, n: int, k: int, gated: bool, num_sms: int
     Further from the step it does not pay: TP8 T=32 (1.4 waves) 137.4 against 137.1 µs, EP8
     gate_up and down T=8-32 (2-4 waves) 0.97-1.07 of the plain tile's time (H100).
     """
-    step = k > 256 and 0.9 <= gluon_decode_waves(blocks, n, gated, num_sms) <= 1.25
+    waves = gluon_decode_waves(blocks, n, gated, num_sms)
+    bounds = GLUON_STREAM_K_WAVES
+    step = k > 256 and any(lo <= waves <= hi for lo, hi in zip(bounds[::2], bounds[1::2]))
     return GLUON_STREAM_K_PER_SM if step else 0
 
 

@@ -83,13 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "triton_config.GLUON_PREFILL_WIDE_STREAM_K_ROWS)")
     cmp.add_argument("--alt", nargs="+", default=None, metavar="NAME=BM,..",
                      help="also time chordq with these triton_config constants set (e.g. "
-                          "GLUON_PREFILL_STREAM_K_ROWS=64,96 GLUON_PREFILL_WIDE_STREAM_K_ROWS=), "
+                          "GLUON_PREFILL_STREAM_K_ROWS=64,96 GLUON_PREFILL_WIDE_STREAM_K_ROWS= "
+                          "GLUON_STREAM_K_WAVES=0.9,1.25,2.3,2.6), "
                           "in the same interleaved graphs: the table adds alt / chordq per row")
     return parser
 
 
 def parse_alt(items: list[str] | None) -> dict[str, tuple[int, ...]] | None:
-    """``--alt NAME=1,2 ..`` -> ``{"NAME": (1, 2)}``, each NAME a tuple constant of
+    """``--alt NAME=1,2.5 ..`` -> ``{"NAME": (1, 2.5)}``, each NAME a tuple constant of
     ``triton_config``."""
     from chordq.kernels import triton_config
 
@@ -102,9 +103,10 @@ def parse_alt(items: list[str] | None) -> dict[str, tuple[int, ...]] | None:
             raise SystemExit(f"bench_kernels: --alt {item}: {name!r} is not a tuple constant of "
                              f"chordq.kernels.triton_config")
         try:
-            out[name] = tuple(int(v) for v in values.split(",") if v)
+            out[name] = tuple(float(v) if "." in v else int(v) for v in values.split(",") if v)
         except ValueError:
-            raise SystemExit(f"bench_kernels: --alt {item}: give integers, e.g. {name}=64,96") from None
+            raise SystemExit(f"bench_kernels: --alt {item}: give numbers, e.g. {name}=64,96"
+                             ) from None
     return out
 
 

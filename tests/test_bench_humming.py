@@ -444,7 +444,9 @@ def test_script_alt_flag():
     assert script.parse_alt(None) is None
     with pytest.raises(SystemExit, match="not a tuple constant"):
         script.parse_alt(["GLUON_PREFILL_TILE=1"])
-    with pytest.raises(SystemExit, match="give integers"):
+    assert script.parse_alt(["GLUON_STREAM_K_WAVES=0.9,1.25,2,2.6"]) == {
+        "GLUON_STREAM_K_WAVES": (0.9, 1.25, 2, 2.6)}
+    with pytest.raises(SystemExit, match="give numbers"):
         script.parse_alt(["GLUON_PREFILL_STREAM_K_ROWS=a"])
     args = script.build_parser().parse_args(
         ["--against", "humming", "--alt", "GLUON_PREFILL_STREAM_K_ROWS=96"])

@@ -98,6 +98,19 @@ def test_choose_gluon_stream_k(blocks, n, k, gated, want):
     assert choose_gluon_stream_k(blocks, n, k, gated, 132) == want
 
 
+def test_gluon_stream_k_waves_are_read_at_each_call(monkeypatch):
+    """``GLUON_STREAM_K_WAVES``: pairs of bounds (``bench_kernels.py --alt`` sets others)."""
+    from chordq.kernels import triton_config
+
+    ep8_t8 = (41, 4096, 7168, False, 132)  # 1312 tiles: 2.48 waves
+    assert triton_config.choose_gluon_stream_k(*ep8_t8) == 0
+    monkeypatch.setattr(triton_config, "GLUON_STREAM_K_WAVES", (0.9, 1.25, 2.3, 2.6))
+    assert triton_config.choose_gluon_stream_k(*ep8_t8) == 4
+    assert triton_config.choose_gluon_stream_k(131, 512, 7168, False, 132) == 4  # still
+    monkeypatch.setattr(triton_config, "GLUON_STREAM_K_WAVES", ())
+    assert triton_config.choose_gluon_stream_k(131, 512, 7168, False, 132) == 0
+
+
 @pytest.mark.parametrize("blocks, n, k, gated, want", [
     (187, 512, 7168, False, 2),  # TP8 gate_up T=32: 748 tiles, 1.4 waves
     (187, 256, 7168, True, 2),  # fused
