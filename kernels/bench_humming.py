@@ -571,10 +571,10 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
             n_out = p.n // 2 if gated else p.n
             # The shipped path: the heuristic's row tiles (one size, or several with one launch
             # per size) and config=None, so the wrapper's heuristic (and split-K) decide.
-            pieces = align_row_tiles(topk_ids, row_tiles(rows_per_expert, n_out, p.k,
-                                                         p.num_experts, dev, opts.w_order,
-                                                         gated=gated), p.num_experts)
-            with config_overrides(overrides):
+            with config_overrides(overrides):  # the row tiles too (GLUON_DECODE_HALVE_RPE)
+                pieces = align_row_tiles(topk_ids, row_tiles(rows_per_expert, n_out, p.k,
+                                                             p.num_experts, dev, opts.w_order,
+                                                             gated=gated), p.num_experts)
                 labels = [indexed_config(rows, p.num_experts, n_out, p.k, bm, activation=act,
                                          w_order=opts.w_order, device=dev,
                                          live_blocks=a[1].numel()).label

@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
-           "gluon_decode_applies", "gluon_prefill_applies", "GLUON_DECODE_TILE",
+           "gluon_decode_applies", "gluon_decode_halve_applies", "gluon_prefill_applies",
+           "GLUON_DECODE_TILE",
            "choose_gluon_n_tiles", "choose_gluon_stream_k", "choose_gluon_split_k",
            "GLUON_STREAM_K_PER_SM",
            "GLUON_PREFILL_TILE", "GLUON_PREFILL_TILE_64", "GLUON_PREFILL_TILE_64_WIDE",
@@ -96,6 +97,9 @@ class W4A16Config:
         256 with ``silu_mul``, at most 3 stages; ``num_warps`` 4 is its loader, two 4-warp
         consumers come on top; ``stream_k`` 1: its persistent programs share a thin last
         round of tiles by K steps).
+    :param halve: the Gluon decode tile on 16-row blocks, a block whose last 8 rows are
+        padding run as an 8-row one (``gluon_w4a16._w4a16_decode_kernel``'s HALVE; where
+        ``gluon_decode_halve_applies``); no split_k, stream_k or n_tiles.
     """
 
     block_m: int = 16
@@ -110,12 +114,13 @@ class W4A16Config:
     stream_k: int = 0
     columns_first: bool = False
     backend: str = "triton"
+    halve: bool = False
 
     @property
     def label(self) -> str:
         """``BM,BN,BK,warps,stages`` plus ``,P`` / ``,Q`` / ``,F`` (planes / pairs / fragments),
-        ``,S<split_k>``, ``,R<max_registers>``, ``,L<n_tiles>``, ``,K<stream_k>`` and ``,C``
-        (columns first) when set."""
+        ``,S<split_k>``, ``,R<max_registers>``, ``,L<n_tiles>``, ``,K<stream_k>``, ``,C``
+        (columns first) and ``,H`` (halve) when set."""
         tag = {"natural": "", "planes": ",P", "pairs": ",Q", "fragments": ",F",
                "subnormal": ",Z"}[self.k_order]
         split = f",S{self.split_k}" if self.split_k > 1 else ""
@@ -123,9 +128,10 @@ class W4A16Config:
         loop = f",L{self.n_tiles}" if self.n_tiles > 1 else ""
         stream = f",K{self.stream_k}" if self.stream_k else ""
         cols = ",C" if self.columns_first else ""
+        halve = ",H" if self.halve else ""
         gluon = ",G" if self.backend == "gluon" else ""
         return (f"{self.block_m},{self.block_n},{self.block_k},{self.num_warps},"
-                f"{self.num_stages}{tag}{split}{regs}{loop}{stream}{cols}{gluon}")
+                f"{self.num_stages}{tag}{split}{regs}{loop}{stream}{cols}{halve}{gluon}")
 
     @property
     def gluon_decode(self) -> bool:
@@ -146,6 +152,11 @@ class W4A16Config:
             raise ValueError(f"stream_k must be >= 0 and excludes split_k > 1 and n_tiles > 1, "
                              f"got stream_k={self.stream_k} split_k={self.split_k} "
                              f"n_tiles={self.n_tiles}")
+        if self.halve and not (self.backend == "gluon" and self.gluon_decode
+                               and self.block_m == 16 and self.split_k == 1
+                               and not self.stream_k and self.n_tiles == 1):
+            raise ValueError(f"halve is the Gluon decode tile on 16-row blocks without split_k, "
+                             f"stream_k or n_tiles, got {self}")
         if self.backend == "gluon":
             plain = (self.k_order, self.max_registers,
                      self.columns_first) == ("subnormal", None, False)
@@ -271,6 +282,24 @@ def gluon_decode_applies(rows_per_expert: float, n: int, k: int, num_experts: in
     touched = touched_experts(num_experts, rows_per_expert * num_experts)
     tiles = touched * max(1, math.ceil(rows_per_expert / 8)) * n / out_n
     return tiles >= 1.5 * num_sms
+
+
+# rows per expert (pairs of bounds, lo < rpe <= hi) where the decode GEMMs with K > 256 run
+# halved 16-row Gluon blocks instead of 8-row ones (variant 63; empty: not yet measured; read at
+# each call, so `bench_kernels.py --alt GLUON_DECODE_HALVE_RPE=4.0,6.0` tries it)
+GLUON_DECODE_HALVE_RPE: tuple[float, ...] = ()
+
+
+def gluon_decode_halve_applies(rows_per_expert: float, n: int, k: int,
+                               gated: bool = False) -> bool:
+    """Whether the decode tile's blocks are halved 16-row ones (``W4A16Config.halve``): K over
+    one step (the column-looping form has no halved build), the tile's shape rule, and
+    ``rows_per_expert`` in a ``GLUON_DECODE_HALVE_RPE`` range: where a few experts hold 9-16
+    rows, their one 16-row block replaces two 8-row ones in the same launch (TP8 gate_up
+    T=256: 383 blocks instead of 426, 2.90 rounds of 528 program slots instead of 3.23)."""
+    bounds = GLUON_DECODE_HALVE_RPE
+    return (k > 256 and _gluon_decode_fits(n, k, gated)
+            and any(lo < rows_per_expert <= hi for lo, hi in zip(bounds[::2], bounds[1::2])))
 
 
 def _gluon_decode_fits(n: int, k: int, gated: bool) -> bool:
@@ -443,6 +472,9 @@ def choose_config(
         if block_m == 8:
             return GLUON_DECODE_TILE
         return dataclasses.replace(GLUON_PREFILL_TILE, block_n=_gluon_prefill_out_n(gated))
+    if (gluon and block_m == 16 and w_order in SUBNORMAL_W_ORDERS and not interpret
+            and gluon_decode_halve_applies(rows_per_expert, n, k, gated)):
+        return dataclasses.replace(GLUON_DECODE_TILE, block_m=16, halve=True)
     if (gluon and block_m == 64 and w_order in SUBNORMAL_W_ORDERS and not interpret
             and gluon_prefill_64_applies(rows_per_expert, n, k, gated)):
         return dataclasses.replace(GLUON_PREFILL_TILE_64, block_n=_gluon_prefill_out_n(gated))
@@ -575,7 +607,9 @@ def choose_row_tiles(rows_per_expert: float, n: int, k: int, *, interpret: bool 
     if gluon_experts and not interpret:
         if (gluon_decode_applies(rows_per_expert, n, k, gluon_experts, num_sms, gated)
                 and (down is None or _gluon_decode_fits(*down, False))):
-            return (8,)
+            halve = (gluon_decode_halve_applies(rows_per_expert, n, k, gated)
+                     and (down is None or gluon_decode_halve_applies(rows_per_expert, *down)))
+            return (16,) if halve else (8,)
         if (gluon_prefill_applies(rows_per_expert, n, k, gated)
                 and (down is None or gluon_prefill_applies(rows_per_expert, *down))):
             if k > n and rows_per_expert <= 96:

@@ -1003,7 +1003,7 @@ def indexed_config(
             split = choose_gluon_split_k(busy_blocks, n, k, gated, sms)
             return dataclasses.replace(cfg, split_k=split) if split > 1 else cfg
     if cfg.backend == "gluon":
-        if config is not None:
+        if config is not None or cfg.halve:
             return cfg
         if (cfg.block_m in triton_config.GLUON_PREFILL_WIDE_ROWS
                 and triton_config.choose_gluon_prefill_wide(busy_blocks, n, gated,
@@ -1106,7 +1106,7 @@ def moe_gemm_indexed_triton(
             out, num_routes=num_routes, grid_m=grid_m, block_n=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, gated=gated,
             blocked=w_order == "blocked", n_tiles=cfg.n_tiles, block_m=cfg.block_m,
-            stream_k=cfg.stream_k, split_k=cfg.split_k)
+            stream_k=cfg.stream_k, split_k=cfg.split_k, halve=cfg.halve)
     if cfg.backend == "gluon":
         from .gluon_prefill import moe_gemm_indexed_gluon_prefill
 

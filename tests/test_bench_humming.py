@@ -415,6 +415,14 @@ def test_alt_contestant_runs_under_its_overrides(fake_humming, tmp_path, monkeyp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(triton_w4a16, "moe_gemm_mixed_triton", spy)
+    tiles_seen = []
+    real_tiles = triton_w4a16.row_tiles
+
+    def tiles_spy(*args, **kwargs):
+        tiles_seen.append(triton_config.GLUON_PREFILL_STREAM_K_ROWS)
+        return real_tiles(*args, **kwargs)
+
+    monkeypatch.setattr(triton_w4a16, "row_tiles", tiles_spy)
     before = triton_config.GLUON_PREFILL_STREAM_K_ROWS
     alt = {"GLUON_PREFILL_STREAM_K_ROWS": (96, 128)}
     result = bh.run_comparison((2,), ("EP8",), humming_wheel=str(fake_humming),
@@ -422,6 +430,7 @@ def test_alt_contestant_runs_under_its_overrides(fake_humming, tmp_path, monkeyp
                                    check_routes=8, do_bench=False, alt=alt), device="cpu")
     (row,) = result["rows"]
     assert seen == [before, (96, 128)]  # chordq's first call, then the alt's
+    assert tiles_seen == [before, (96, 128)]  # its row tiles are chosen under them too
     assert triton_config.GLUON_PREFILL_STREAM_K_ROWS == before
     assert row["chordq_alt"]["ok"] and row["chordq_alt"]["cos_diff"] < 1e-6
     assert row["ratio_alt"] == pytest.approx(0.75)

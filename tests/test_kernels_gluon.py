@@ -70,6 +70,38 @@ def test_choose_row_tiles_takes_the_gluon_tile_where_it_won(row, rows_per_expert
     assert choose_row_tiles(rows_per_expert, n, k, interpret=True, gluon_experts=experts) != (8,)
 
 
+def test_halved_16_row_blocks_config_and_heuristic(monkeypatch):
+    """``W4A16Config.halve`` (variant 63) is the Gluon decode tile on 16-row blocks only; the
+    heuristic takes it where ``GLUON_DECODE_HALVE_RPE`` (empty: off) holds the rows per
+    expert, for K over one step and for both GEMMs of ``fused_moe``'s blocks."""
+    from chordq.kernels import triton_config
+
+    halved = W4A16Config(16, 128, 256, 4, 2, k_order="subnormal", backend="gluon", halve=True)
+    assert halved.label == "16,128,256,4,2,Z,H,G" and halved.gluon_decode
+    for bad in ({"block_m": 8}, {"split_k": 2}, {"backend": "triton", "block_m": 16}):
+        kw = {"block_m": 16, "k_order": "subnormal", "backend": "gluon", "halve": True, **bad}
+        with pytest.raises(ValueError, match="halve"):
+            W4A16Config(block_n=128, block_k=256, num_warps=4, num_stages=2, **kw)
+    tp8_t256, tp8_t128 = 2048 / 384, 1024 / 384
+    gate_up, down, tp8_down = (512, 7168), (7168, 2048), (7168, 256)
+    assert choose_row_tiles(tp8_t256, *gate_up, gluon_experts=384) == (8,)  # off by default
+    assert choose_config(tp8_t256, *gate_up, block_m=16, w_order="subnormal",
+                         gluon=True).backend == "triton"
+    monkeypatch.setattr(triton_config, "GLUON_DECODE_HALVE_RPE", (4.0, 6.0))
+    assert choose_row_tiles(tp8_t256, *gate_up, gluon_experts=384) == (16,)
+    assert choose_row_tiles(tp8_t128, *gate_up, gluon_experts=384) == (8,)  # out of range
+    assert choose_row_tiles(tp8_t256, *tp8_down, gluon_experts=384) == (8,)  # one K step
+    assert choose_row_tiles(tp8_t256, 256, 7168, gluon_experts=384, gated=True,
+                            down=tp8_down) == (8,)  # fused TP8: its down GEMM has one step
+    assert choose_row_tiles(256 / 48, 2048, 7168, gluon_experts=48, gated=True,
+                            down=down) == (16,)  # fused EP8 T=32
+    assert choose_config(tp8_t256, *gate_up, block_m=16, w_order="subnormal",
+                         gluon=True) == halved
+    assert choose_config(tp8_t256, *gate_up, block_m=16, w_order="subnormal").backend == "triton"
+    assert choose_config(tp8_t256, *gate_up, block_m=16, w_order="subnormal", gluon=True,
+                         interpret=True).backend == "triton"
+
+
 @pytest.mark.parametrize("blocks, rows, n, k, want", [
     (360, 2.7, 7168, 256, 2),  # TP8 down T=128: one block an expert
     (8, 0.02, 7168, 256, 2),  # T=1: 8 blocks x 28 programs, 1.7 per SM
@@ -380,6 +412,14 @@ def test_gluon_tile_halved_16_row_blocks(activation):
 
     # 12 tokens of top-4 over 6 experts, 4 of them local: 6, 10, 7 and 9 routes
     check_indexed_tile(16, 6, 256, 1792, 12, 4, 4, activation, launch=launch)
+
+
+@pytest.mark.parametrize("activation", [None, "silu_mul"])
+@needs_sm90
+def test_halved_config_through_the_indexed_entry(activation):
+    """``moe_gemm_indexed_triton`` hands ``halve`` to the tile (16-row blocks, both paths)."""
+    config = W4A16Config(16, 128, 256, 4, 2, k_order="subnormal", backend="gluon", halve=True)
+    check_indexed_tile(16, 6, 256, 1792, 12, 4, 4, activation, config=config)
 
 
 @pytest.mark.parametrize("shared", [{"split_k": 2}, {"stream_k": 4}], ids=["S2", "K4"])
