@@ -229,6 +229,22 @@ def _store_out(acc, out_ptr, sorted_ids_ptr, row0, n0, num_routes, stride_om,
 
 
 @gluon.jit
+def _decode_rows(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, w_smem, s_smem, expert, row0, n0,
+                 first, num_steps, N, K, num_routes, stride_xm, stride_om, TOP_K: gl.constexpr,
+                 BN: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr,
+                 BLOCKED: gl.constexpr, BM: gl.constexpr, num_warps: gl.constexpr):
+    """``_decode_acc`` and ``_store_out`` of the ``BM`` routes at ``row0`` with an X ring of
+    ``BM`` rows allocated here (HALVE's two branches: disjoint lifetimes, which the allocator
+    overlaps)."""
+    OUT_N: gl.constexpr = BN // 2 if GATED else BN
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], _shared_layouts()[1])
+    acc = _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, expert, row0,
+                      n0, first, num_steps, N, K, num_routes, stride_xm, TOP_K, BN, GATED,
+                      STAGES, BLOCKED, BM, num_warps)
+    _store_out(acc, out_ptr, sorted_ids_ptr, row0, n0, num_routes, stride_om, OUT_N, BM, GATED)
+
+
+@gluon.jit
 def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, ntp_ptr,
                          N, K, num_routes, stride_xm, stride_om,
                          TOP_K: gl.constexpr, BN: gl.constexpr, GATED: gl.constexpr,
@@ -262,24 +278,16 @@ def _w4a16_decode_kernel(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, expert_id
             first = gl.program_id(2) * per
             num_steps = gl.minimum(per, num_steps - first)
         if HALVE:  # sorted ids keep an expert's routes first: row 8 tells if rows 8-15 are any
-            # each branch its own X ring (disjoint lifetimes: the allocator overlaps them)
             if gl.load(sorted_ids_ptr + pid_b * BM + BM // 2) < num_routes:
-                x16 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK],
-                                                _shared_layouts()[1])
-                acc = _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x16, s_smem,
-                                  expert, pid_b * BM, n0, first, num_steps, N, K, num_routes,
-                                  stride_xm, TOP_K, BN, GATED, STAGES, BLOCKED, BM, num_warps)
-                _store_out(acc, out_ptr, sorted_ids_ptr, pid_b * BM, n0, num_routes,
-                           stride_om, OUT_N, BM, GATED)
+                _decode_rows(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, w_smem, s_smem,
+                             expert, pid_b * BM, n0, first, num_steps, N, K, num_routes,
+                             stride_xm, stride_om, TOP_K, BN, GATED, STAGES, BLOCKED, BM,
+                             num_warps)
             else:
-                x8 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM // 2, BK],
-                                               _shared_layouts()[1])
-                half = _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x8, s_smem,
-                                   expert, pid_b * BM, n0, first, num_steps, N, K, num_routes,
-                                   stride_xm, TOP_K, BN, GATED, STAGES, BLOCKED, BM // 2,
-                                   num_warps)
-                _store_out(half, out_ptr, sorted_ids_ptr, pid_b * BM, n0, num_routes,
-                           stride_om, OUT_N, BM // 2, GATED)
+                _decode_rows(x_ptr, w_ptr, s_ptr, out_ptr, sorted_ids_ptr, w_smem, s_smem,
+                             expert, pid_b * BM, n0, first, num_steps, N, K, num_routes,
+                             stride_xm, stride_om, TOP_K, BN, GATED, STAGES, BLOCKED, BM // 2,
+                             num_warps)
             return
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], _shared_layouts()[1])
         acc = _decode_acc(x_ptr, w_ptr, s_ptr, sorted_ids_ptr, w_smem, x_smem, s_smem, expert,
@@ -499,9 +507,9 @@ def moe_gemm_indexed_gluon(x: torch.Tensor, w_packed: torch.Tensor, w_scale: tor
     of the K steps, summed and finished by ``triton_w4a16._split_k_reduce_kernel``
     (``triton_config.choose_gluon_split_k``); ``max_registers``: Triton's ``maxnreg`` (a lab
     option). ``stream_k`` > 0: that many persistent programs an SM
-    (``_w4a16_decode_sk_kernel``, ``triton_config.choose_gluon_stream_k``). ``halve`` (a lab
-    option; 16-row blocks, no split or stream-K): a block whose last 8 rows are padding runs
-    as an 8-row one (``_w4a16_decode_kernel``'s HALVE)."""
+    (``_w4a16_decode_sk_kernel``, ``triton_config.choose_gluon_stream_k``). ``halve``
+    (``W4A16Config.halve``; 16-row blocks, no split or stream-K): a block whose last 8 rows are
+    padding runs as an 8-row one (``_w4a16_decode_kernel``'s HALVE)."""
     n_w, k = w_packed.shape[1], x.shape[1]
     n = n_w // 2 if gated else n_w
     out_n = block_n // 2 if gated else block_n
