@@ -475,6 +475,10 @@ def time_do_bench(fns: dict[str, Callable[[], object]], warmup: int, rep: int) -
 # ------------------------------------------------------------------ one shape
 
 
+# every contestant a row may hold (``bench_shape``): its results, report lines and exit status
+CONTESTANTS = ("chordq", "chordq_fused", "chordq_alt", "humming")
+
+
 @dataclasses.dataclass
 class Options:
     # even: the order alternates, so each contestant runs first in half the repetitions (with
@@ -677,7 +681,7 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
         for name, res in time_do_bench({n: fns[n] for n in order}, opts.do_bench_warmup,
                                        opts.do_bench_rep).items():
             row[name].update(res)
-    for name in ("chordq", "chordq_fused", "chordq_alt", "humming"):
+    for name in CONTESTANTS:
         res = row.get(name)
         if isinstance(res, dict) and res.get("graph_us"):
             res["pct_of_floor"] = 100.0 * fl["floor_us"] / res["graph_us"]
@@ -791,7 +795,7 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
                 f"{'/'.join(f'{v:.3f}' for v in r.get('ratio_alt_reps') or []) or 'n/a'}"
                 f" (cos {_cos(a)})")
     errors = [f"- {r['layout']} T={r['tokens']} {r['projection']} {name}: {r[name]['error']}"
-              for r in rows for name in ("chordq", "chordq_fused", "chordq_alt", "humming")
+              for r in rows for name in CONTESTANTS
               if isinstance(r.get(name), dict) and "error" in r[name]
               and r[name]["error"] != "not requested"]
     errors += [f"- {r['layout']} T={r['tokens']} {r['projection']} reference: {r['check_error']}"
@@ -825,7 +829,7 @@ def _write(out_dir: Path | None, rows: list[dict], meta: dict) -> str:
             json.dumps({"meta": meta, "rows": clean, "tracebacks": [
                 {"layout": r["layout"], "tokens": r["tokens"], "projection": r["projection"],
                  "who": name, "traceback": r[name]["traceback"]}
-                for r in rows for name in ("chordq", "chordq_fused", "chordq_alt", "humming")
+                for r in rows for name in CONTESTANTS
                 if isinstance(r.get(name), dict) and "traceback" in r[name]]},
                 indent=2, default=str))
     return table
@@ -956,8 +960,8 @@ def exit_status(result: dict) -> int:
     """0: all checked and compared; 1: some output failed its cos_diff check; 2: the Humming
     comparison did not run for some row (chordq numbers are still there)."""
     rows = result["rows"]
-    names = ("chordq", "chordq_fused", "chordq_alt", "humming")
-    if any(isinstance(r.get(n), dict) and r[n].get("ok") is False for r in rows for n in names):
+    if any(isinstance(r.get(n), dict) and r[n].get("ok") is False
+           for r in rows for n in CONTESTANTS):
         return 1
     if any("error" in r.get("chordq", {}) or "check_error" in r for r in rows):
         return 1

@@ -297,9 +297,14 @@ def gluon_decode_halve_applies(rows_per_expert: float, n: int, k: int,
     ``rows_per_expert`` in a ``GLUON_DECODE_HALVE_RPE`` range: where a few experts hold 9-16
     rows, their one 16-row block replaces two 8-row ones in the same launch (TP8 gate_up
     T=256: 383 blocks instead of 426, 2.90 rounds of 528 program slots instead of 3.23)."""
-    bounds = GLUON_DECODE_HALVE_RPE
     return (k > 256 and _gluon_decode_fits(n, k, gated)
-            and any(lo < rows_per_expert <= hi for lo, hi in zip(bounds[::2], bounds[1::2])))
+            and any(lo < rows_per_expert <= hi for lo, hi in _bound_pairs(GLUON_DECODE_HALVE_RPE)))
+
+
+def _bound_pairs(bounds: tuple[float, ...]) -> list[tuple[float, float]]:
+    """A flat ``(lo, hi, lo, hi, ..)`` constant (a tuple, so ``bench_kernels.py --alt`` can set
+    it) as its ``(lo, hi)`` ranges."""
+    return list(zip(bounds[::2], bounds[1::2]))
 
 
 def _gluon_decode_fits(n: int, k: int, gated: bool) -> bool:
@@ -689,8 +694,8 @@ def choose_gluon_stream_k(blocks: int, n: int, k: int, gated: bool, num_sms: int
     """``stream_k`` for the K-looping Gluon 8-row tile: ``GLUON_STREAM_K_PER_SM`` where the
     expected grid (``blocks`` busy 8-row blocks times column tiles) lies at the one-wave step,
     0.9 to 1.25 waves of program slots (``GLUON_STREAM_K_WAVES``); else 0 (one program a
-    tile). There a draw that
-    touches a few more experts than the mean leaves a few tiles to run alone in a second wave;
+    tile). There a draw that touches a few more experts than the mean leaves a few tiles to
+    run alone in a second wave;
     the stream-K tile shares that thin wave out by K steps, and on a draw that fits one wave it
     runs one tile a program as the plain tile does.
 
@@ -702,8 +707,7 @@ def choose_gluon_stream_k(blocks: int, n: int, k: int, gated: bool, num_sms: int
     gate_up and down T=8-32 (2-4 waves) 0.97-1.07 of the plain tile's time (H100).
     """
     waves = gluon_decode_waves(blocks, n, gated, num_sms)
-    bounds = GLUON_STREAM_K_WAVES
-    step = k > 256 and any(lo <= waves <= hi for lo, hi in zip(bounds[::2], bounds[1::2]))
+    step = k > 256 and any(lo <= waves <= hi for lo, hi in _bound_pairs(GLUON_STREAM_K_WAVES))
     return GLUON_STREAM_K_PER_SM if step else 0
 
 

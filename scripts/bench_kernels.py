@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_alt(items: list[str] | None) -> dict[str, tuple[int, ...]] | None:
+def parse_alt(items: list[str] | None) -> dict[str, tuple[float, ...]] | None:
     """``--alt NAME=1,2.5 ..`` -> ``{"NAME": (1, 2.5)}``, each NAME a tuple constant of
     ``triton_config``."""
     from chordq.kernels import triton_config

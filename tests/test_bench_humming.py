@@ -407,22 +407,18 @@ def test_alt_contestant_runs_under_its_overrides(fake_humming, tmp_path, monkeyp
     monkeypatch.setattr(bh, "time_graphs", lambda fns, reps, calls: {
         n: {"graph_us": timings[n], "graph_reps": [timings[n]] * reps}
         for n in fns if n in timings})
-    seen = []
-    real = triton_w4a16.moe_gemm_mixed_triton
 
-    def spy(*args, **kwargs):
-        seen.append(triton_config.GLUON_PREFILL_STREAM_K_ROWS)
-        return real(*args, **kwargs)
+    def spy_on(name):  # the constant each call of triton_w4a16.<name> sees
+        real, seen = getattr(triton_w4a16, name), []
 
-    monkeypatch.setattr(triton_w4a16, "moe_gemm_mixed_triton", spy)
-    tiles_seen = []
-    real_tiles = triton_w4a16.row_tiles
+        def spy(*args, **kwargs):
+            seen.append(triton_config.GLUON_PREFILL_STREAM_K_ROWS)
+            return real(*args, **kwargs)
 
-    def tiles_spy(*args, **kwargs):
-        tiles_seen.append(triton_config.GLUON_PREFILL_STREAM_K_ROWS)
-        return real_tiles(*args, **kwargs)
+        monkeypatch.setattr(triton_w4a16, name, spy)
+        return seen
 
-    monkeypatch.setattr(triton_w4a16, "row_tiles", tiles_spy)
+    seen, tiles_seen = spy_on("moe_gemm_mixed_triton"), spy_on("row_tiles")
     before = triton_config.GLUON_PREFILL_STREAM_K_ROWS
     alt = {"GLUON_PREFILL_STREAM_K_ROWS": (96, 128)}
     result = bh.run_comparison((2,), ("EP8",), humming_wheel=str(fake_humming),
