@@ -37,6 +37,7 @@ a run cut short by a timeout keeps what it measured.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -695,7 +696,32 @@ def bench_shape(p: Problem, tokens: int, topk_ids: torch.Tensor, words: torch.Te
         row["ratio_alt"] = a / b if a and b else None
         row["ratio_alt_reps"] = ratio_reps(row["chordq_alt"].get("graph_reps"),
                                            row["chordq"].get("graph_reps"))
+        row["alt_verdict"] = alt_verdict(row)
     return row
+
+
+ALT_MARGIN = 0.01  # a median alt / chordq within 1% of 1.0 is "level", whatever the reps say
+
+
+def alt_verdict(row: dict) -> str:
+    """The call on a row's alt, decided before it is measured: "wins" where the median
+    alt / chordq is at most ``1 - ALT_MARGIN`` and the alt was faster in every interleaved
+    repetition, "loses" the mirror image, "wrong" where its output failed the reference check,
+    else "level". Every rep on one side is a sign test: 6 reps of noise that favours neither
+    fall on one side by chance once in 32, where one process's median alone moved 4-9% between runs of
+    the same config (performance.md §30)."""
+    alt = row.get("chordq_alt")
+    if not isinstance(alt, dict) or "error" in alt or alt.get("ok") is False:
+        return "wrong"
+    reps = row.get("ratio_alt_reps")
+    if not reps:
+        return "n/a"
+    med = statistics.median(reps)
+    if med <= 1 - ALT_MARGIN and max(reps) < 1:
+        return "wins"
+    if med >= 1 + ALT_MARGIN and min(reps) > 1:
+        return "loses"
+    return "level"
 
 
 def ratio_reps(a: Sequence[float] | None, b: Sequence[float] | None) -> list[float] | None:
@@ -793,7 +819,10 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
                 f"vs {c.get('config', 'err')}, {_f(a.get('graph_us'))} / "
                 f"{_f(c.get('graph_us'))}, {_f(r.get('ratio_alt'), '.3f')}, "
                 f"{'/'.join(f'{v:.3f}' for v in r.get('ratio_alt_reps') or []) or 'n/a'}"
-                f" (cos {_cos(a)})")
+                f" (cos {_cos(a)}): alt {r.get('alt_verdict', 'n/a')}")
+        tally = collections.Counter(r.get("alt_verdict", "n/a") for r in alts)
+        lines += ["", "alt verdicts (median beyond ±{:.0%} and every rep on one side): {}".format(
+            ALT_MARGIN, ", ".join(f"{k} {v}" for k, v in sorted(tally.items())))]
     errors = [f"- {r['layout']} T={r['tokens']} {r['projection']} {name}: {r[name]['error']}"
               for r in rows for name in CONTESTANTS
               if isinstance(r.get(name), dict) and "error" in r[name]
@@ -844,7 +873,8 @@ def _row_line(r: dict) -> str:
             f"({_f(h.get('pct_of_floor'), '.0f')}%) cos {_cos(h)} | "
             f"ratio {_f(r.get('ratio_graph'), '.2f')}"
             + (f" | chordq fused {fused:.1f} µs" if fused else "")
-            + (f" | alt / chordq {_f(r.get('ratio_alt'), '.3f')}" if "chordq_alt" in r else "")
+            + (f" | alt / chordq {_f(r.get('ratio_alt'), '.3f')} ({r.get('alt_verdict')})"
+               if "chordq_alt" in r else "")
             + f" | floor {r['floor_us']:.1f} µs")
 
 

@@ -434,11 +434,28 @@ def test_alt_contestant_runs_under_its_overrides(fake_humming, tmp_path, monkeyp
     md = (tmp_path / "o" / "bench_humming.md").read_text()
     assert "chordq alt ({'GLUON_PREFILL_STREAM_K_ROWS': (96, 128)}) / chordq" in md
     assert "30.0 / 40.0, 0.750, 0.750/" in md
+    assert row["alt_verdict"] == "wins" and md.count("): alt wins") == 1
+    assert "alt verdicts (median beyond ±1% and every rep on one side): wins 1" in md
     assert bh.exit_status(result) == 0
     with pytest.raises(RuntimeError, match="inside"), bh.config_overrides(alt):
         assert triton_config.GLUON_PREFILL_STREAM_K_ROWS == (96, 128)
         raise RuntimeError("inside")
     assert triton_config.GLUON_PREFILL_STREAM_K_ROWS == before
+
+
+@pytest.mark.parametrize("reps, ok, want", [
+    ([0.97, 0.98, 0.96, 0.99, 0.97, 0.98], True, "wins"),
+    ([0.97, 0.98, 0.96, 1.01, 0.97, 0.98], True, "level"),  # one rep the other way
+    ([0.995, 0.996, 0.994, 0.995, 0.993, 0.996], True, "level"),  # every rep, under 1%
+    ([1.03, 1.02, 1.05, 1.01, 1.04, 1.02], True, "loses"),
+    ([1.03, 1.02, 0.99, 1.01, 1.04, 1.02], True, "level"),
+    ([0.9] * 6, False, "wrong"),  # fast and wrong is wrong
+    (None, True, "n/a"),
+])
+def test_alt_verdict(reps, ok, want):
+    row = {"chordq_alt": {"ok": ok}, "ratio_alt_reps": reps}
+    assert bh.alt_verdict(row) == want
+    assert bh.alt_verdict({"chordq_alt": {"error": "boom"}, "ratio_alt_reps": [0.9] * 6}) == "wrong"
 
 
 def test_script_alt_flag():
