@@ -61,6 +61,8 @@ stores its sums and raises a flag; the piece with its first steps, its program's
 for the flag (it is nearly always up), adds the sums and stores the tile. Adding both pieces'
 sums by atomics, the second to arrive reading them back, cost 5 and 12 µs a piece on the H100,
 about a round of tiles (``scripts/kernel_lab/prefill_timeline.py``); the handover costs 3.
+``stream_k=2`` (variant 64, ``triton_config.GLUON_PREFILL_STREAM_K_WALK32_ROWS``): the same
+schedule walked in 32 bits where it fits (``walk_fits_32_bits``).
 
 Each step retires its own wgmmas before the next step's dequantization: wgmma reads its
 register operand while in flight, and ptxas reuses those registers for the next step's
@@ -108,7 +110,7 @@ from .triton_config import GLUON_PREFILL_TILE, GLUON_PREFILL_TILE_64_WIDE, GLUON
 from .triton_w4a16 import _num_sms, _stream_k_buffers, stream_k_shared
 
 __all__ = ["compile_sm90", "halves_of", "moe_gemm_indexed_gluon_prefill", "split_rows",
-           "stream_k_pieces"]
+           "stream_k_pieces", "walk_fits_32_bits"]
 
 WGR = gl.constexpr(128)  # weight rows per consumer warpgroup
 # Registers per consumer thread by block rows; the loader gets the rest of 168 x 12 warps (40).
@@ -261,28 +263,46 @@ def _schedule(tiles, SK: gl.constexpr):
 
 
 @gluon.jit
-def _sk_range(programs, shared, num_steps):
+def _sk_range(programs, shared, num_steps, SK: gl.constexpr):
     """This program's range of the shared tiles' step pairs, ``[it, end)`` (empty past
-    ``programs``; ``_schedule``)."""
+    ``programs``; ``_schedule``). ``SK`` 2 (variant 64): in 32 bits, where the host has
+    bounded ``programs x total`` under 2^31 (``walk_fits_32_bits``): each piece's two 64-bit
+    divisions are 320-340 SASS instructions of the build, 0.1-0.2 µs a piece in variant 62's
+    timeline."""
     pid = gl.program_id(0)
-    total = shared.to(gl.int64) * (num_steps // 2)
+    if SK == 2:
+        total = shared * (num_steps // 2)
+    else:
+        total = shared.to(gl.int64) * (num_steps // 2)
     it = pid * total // programs
     end = gl.where(pid < programs, (pid + 1) * total // programs, it)
     return it, end
 
 
 @gluon.jit
-def _sk_piece(j, mine, it, end, whole, programs, num_steps):
+def _sk_piece(j, mine, it, end, whole, programs, num_steps, SK: gl.constexpr):
     """Stream-K: this program's next piece, ``(tile, first step, steps, whole?)``: its
     ``j``-th whole tile while ``j < mine``, then the shared tiles' steps from pair ``it`` (up
     to ``end``, within one tile). One loop walks both (one copy of the consumer's K loop)."""
     pairs = num_steps // 2
-    tile = whole + (it // pairs).to(gl.int32)
-    first = (it - (tile - whole).to(gl.int64) * pairs).to(gl.int32)
-    num = gl.minimum(pairs - first, (end - it).to(gl.int32))
+    if SK == 2:  # _sk_range's 32-bit walk
+        tile = whole + it // pairs
+        first = it - (tile - whole) * pairs
+        num = gl.minimum(pairs - first, end - it)
+    else:
+        tile = whole + (it // pairs).to(gl.int32)
+        first = (it - (tile - whole).to(gl.int64) * pairs).to(gl.int32)
+        num = gl.minimum(pairs - first, (end - it).to(gl.int32))
     own = j < mine
     return (gl.where(own, gl.program_id(0) + j * programs, tile), gl.where(own, 0, 2 * first),
             gl.where(own, num_steps, 2 * num), own)
+
+
+def walk_fits_32_bits(programs: int, num_steps: int) -> bool:
+    """Whether ``_sk_range``'s 32-bit walk (``SK`` 2) stays under 2^31: ``(pid + 1) x total``
+    with ``pid < programs`` and ``total`` under two rounds of tiles' step pairs. A Kimi
+    launch (132 programs, 28 pairs) is 2^20."""
+    return 2 * programs * programs * (num_steps // 2) < 2**31
 
 
 def stream_k_pieces(tiles: int, programs: int, num_steps: int) -> list[list[tuple[int, int,
@@ -325,11 +345,11 @@ def _each_piece(piece: gl.constexpr, args, ntp_ptr, grid_n, grid_m, num_steps,
     programs, whole, shared = _schedule(_tile_count(ntp_ptr, grid_n, grid_m, BT), SK)
     g = 0
     if SK:
-        it, end = _sk_range(programs, shared, num_steps)
+        it, end = _sk_range(programs, shared, num_steps, SK)
         mine = _whole_count(whole, programs)
         j = 0
         while (j < mine) | (it < end):
-            t, first, num, own = _sk_piece(j, mine, it, end, whole, programs, num_steps)
+            t, first, num, own = _sk_piece(j, mine, it, end, whole, programs, num_steps, SK)
             g = piece(t, first, num, g, *args)
             j += own.to(gl.int32)
             it += gl.where(own, 0, num // 2)
@@ -735,7 +755,7 @@ def halves_of(block_n: int, gated: bool) -> int:
 
 def _launch_options(top_k: int, block_m: int, block_k: int, num_stages: int,
                     gated: bool, order: bool = ORDERED, blocked: bool = False,
-                    halves: int = 1, stream_k: bool = False, k_split: int | None = None) -> dict:
+                    halves: int = 1, stream_k: int = 0, k_split: int | None = None) -> dict:
     bt0, bt1 = split_rows(block_m)
     if block_m == 128 and num_stages > ROWS128_STAGES:
         raise ValueError(f"the 128-row Gluon prefill tile takes at most {ROWS128_STAGES} ring "
@@ -749,7 +769,7 @@ def _launch_options(top_k: int, block_m: int, block_k: int, num_stages: int,
                          f"{block_m}, num_stages {num_stages}")
     return {"TOP_K": top_k, "BK": block_k, "BT0": bt0, "BT1": bt1, "GATED": gated,
             "STAGES": num_stages, "CREGS": CONSUMER_REGS.get(block_m, 216), "ORDER": order,
-            "BLOCKED": blocked, "HALVES": halves, "SK": stream_k, "KSPLIT": k_split,
+            "BLOCKED": blocked, "HALVES": halves, "SK": int(stream_k), "KSPLIT": k_split,
             "num_warps": 4}
 
 
@@ -786,7 +806,7 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
                                    num_tokens_post_padded, top_k, out, *, num_routes, grid_m,
                                    block_m, block_n, block_k, num_stages, gated,
                                    order: bool = ORDERED, persistent: bool = PERSISTENT,
-                                   blocked: bool = False, stream_k: bool = False,
+                                   blocked: bool = False, stream_k: int = 0,
                                    k_split: int | None = None,
                                    columns: tuple[int, int] | None = None):
     """Launch the prefill tile; ``triton_w4a16.moe_gemm_indexed_triton`` checks the arguments
@@ -797,7 +817,8 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
     ``chordq.layout.row_blocks`` (``w_order="blocked"``). ``stream_k`` (persistent only): a
     last round of tiles under 80% full and the round before it are shared out by K steps
     (``_schedule``); a tile cut in two is summed in FP32 through ``triton_w4a16``'s stream-K
-    buffers. ``k_split``: parts a step is dequantized and issued in (default ``k_split_of``).
+    buffers; ``stream_k=2``: the same on the 32-bit walk (variant 64), 1 where it would not
+    fit (``walk_fits_32_bits``). ``k_split``: parts a step is dequantized and issued in (default ``k_split_of``).
     ``columns``: ``(lo, hi)``, compute only output columns ``lo..hi`` (``out``'s others are
     left as they are): a launch of one tile form over part of N, beside another form's launch
     over the rest (the descriptors and ``out`` start at ``lo``; the kernel is unchanged)."""
@@ -818,8 +839,12 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
                          f"{block_k}")
     if stream_k and not persistent:
         raise ValueError("stream_k shares the persistent programs' last rounds: persistent only")
+    if stream_k not in (0, 1, 2):
+        raise ValueError(f"stream_k is 0, 1 or 2 (the 32-bit walk), got {stream_k}")
     tiles = (hi - lo) // block_n * grid_m
     programs = min(tiles, _num_sms(x.device)) if persistent else tiles
+    if stream_k == 2 and not walk_fits_32_bits(programs, k // block_k):
+        stream_k = 1
     opts = _launch_options(top_k, block_m, block_k, num_stages, gated, order, blocked, halves,
                            stream_k, k_split)
     w_desc, s_desc = _descriptors(w_packed, w_scale, k, block_k, gated and halves == 1, blocked,
@@ -841,10 +866,11 @@ def compile_sm90(block_m: int = GLUON_PREFILL_TILE.block_m,
                  block_k: int = GLUON_PREFILL_TILE.block_k,
                  num_stages: int = GLUON_PREFILL_TILE.num_stages, gated: bool = False,
                  top_k: int = 8, order: bool = ORDERED, blocked: bool = True,
-                 halves: int = 1, stream_k: bool = False, k_split: int | None = None):
+                 halves: int = 1, stream_k: int = 0, k_split: int | None = None):
     """The tile built for sm_90 on the CPU (``gluon_w4a16.compile_kernel_sm90``: tests, lab);
     by default the shipped one (``triton_config.GLUON_PREFILL_TILE``, ``ORDERED``);
-    ``halves=2``: the wide form (512 weight rows); ``stream_k``: the stream-K schedule."""
+    ``halves=2``: the wide form (512 weight rows); ``stream_k``: the stream-K schedule (2: its
+    32-bit walk)."""
     box, layout = _words_box(block_k, gated and halves == 1)
     s_box, s_layout = _scales_box(block_k, gated and halves == 1)
     return compile_kernel_sm90(_w4a16_prefill_kernel,

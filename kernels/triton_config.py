@@ -22,7 +22,7 @@ __all__ = ["W4A16Config", "choose_config", "choose_row_tiles", "choose_split_k",
            "choose_gluon_prefill_wide", "gluon_prefill_64_applies",
            "GLUON_PREFILL_TILE_32", "GLUON_PREFILL_TILE_32_WIDE", "gluon_prefill_32_applies",
            "GLUON_PREFILL_TILES", "GLUON_PREFILL_WIDE_TILES", "GLUON_PREFILL_STREAM_K_ROWS",
-           "GLUON_PREFILL_WIDE_STREAM_K_ROWS"]
+           "GLUON_PREFILL_WIDE_STREAM_K_ROWS", "GLUON_PREFILL_STREAM_K_WALK32_ROWS"]
 
 GROUP_SIZE = 32
 # token rows a block of gluon_w4a16's mma.sync decode tile holds (n8 fragments in registers)
@@ -96,7 +96,7 @@ class W4A16Config:
         ``silu_mul``; on 64-row blocks also the wide form, 512 weight rows: ``block_n`` 512, or
         256 with ``silu_mul``, at most 3 stages; ``num_warps`` 4 is its loader, two 4-warp
         consumers come on top; ``stream_k`` 1: its persistent programs share a thin last
-        round of tiles by K steps).
+        round of tiles by K steps; 2: the same schedule walked in 32 bits).
     :param halve: the Gluon decode tile on 16-row blocks, a block whose last 8 rows are
         padding run as an 8-row one (``gluon_w4a16._w4a16_decode_kernel``'s HALVE; where
         ``gluon_decode_halve_applies``); no split_k, stream_k or n_tiles.
@@ -161,7 +161,7 @@ class W4A16Config:
             plain = (self.k_order, self.max_registers,
                      self.columns_first) == ("subnormal", None, False)
             shared = self.stream_k or self.split_k > 1  # programs share a tile's K steps
-            prefill_sk = (self.stream_k == 1 and self.split_k == 1 and not self.gluon_decode
+            prefill_sk = (self.stream_k in (1, 2) and self.split_k == 1 and not self.gluon_decode
                           and self.block_m in GLUON_PREFILL_ROWS)
             decode = (self.gluon_decode
                       and self.block_n >= 64 and (self.n_tiles == 1 or self.num_stages >= 2
@@ -181,7 +181,7 @@ class W4A16Config:
                                  f"split_k: 8 rows; n_tiles: 2+ stages) or the prefill tile "
                                  f"(block_m 128, 96, 64 or 32 (block_k under 256), block_n 128 or "
                                  f"256, or 512 at block_m 64 or 32 and 3 stages at most, 4 "
-                                 f"loader warps, no n_tiles or split_k, stream_k 0 or 1), "
+                                 f"loader warps, no n_tiles or split_k, stream_k 0, 1 or 2), "
                                  f"k_order 'subnormal', no max_registers or columns_first; "
                                  f"got {self}")
             return
@@ -251,6 +251,10 @@ GLUON_PREFILL_WIDE_TILES = {64: GLUON_PREFILL_TILE_64_WIDE, 32: GLUON_PREFILL_TI
 GLUON_PREFILL_STREAM_K_ROWS: tuple[int, ...] = (64,)
 # the same for the wide form (none yet; scripts/bench_kernels.py --wide-stream-k-rows tries them)
 GLUON_PREFILL_WIDE_STREAM_K_ROWS: tuple[int, ...] = ()
+# The blocks whose stream-K (either form) walks its schedule in 32 bits (stream_k 2, variant 64:
+# 320-340 fewer SASS instructions a build, identical pieces). None until measured on a GPU:
+# scripts/bench_kernels.py --alt GLUON_PREFILL_STREAM_K_WALK32_ROWS=64 A/Bs it, same process.
+GLUON_PREFILL_STREAM_K_WALK32_ROWS: tuple[int, ...] = ()
 # A wide tile's time against two 256-row tiles' (variant 55: 0.91-0.94 in equal rounds, and
 # 1.03 * 11 / 12 = 0.94 at EP8 down, where the wide grid took 6 rounds against 11)
 GLUON_PREFILL_WIDE_PAIR = 0.94

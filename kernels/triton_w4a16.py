@@ -958,6 +958,15 @@ def _stream_k_buffers_left_zero() -> bool:
                for (_, _, use), (parts, arrivals) in _STREAM_K_BUFFERS.items())
 
 
+def _prefill_stream_k(block_m: int, rows: tuple[int, ...]) -> int:
+    """The Gluon prefill tile's ``stream_k`` on ``block_m``-row blocks: 1 where ``rows`` (the
+    form's ``triton_config`` list) holds them, 2 (the 32-bit walk) where
+    ``GLUON_PREFILL_STREAM_K_WALK32_ROWS`` does too, else 0."""
+    if block_m not in rows:
+        return 0
+    return 2 if block_m in triton_config.GLUON_PREFILL_STREAM_K_WALK32_ROWS else 1
+
+
 def indexed_config(
     num_routes: int,
     num_experts: int,
@@ -1009,11 +1018,11 @@ def indexed_config(
                 and triton_config.choose_gluon_prefill_wide(busy_blocks, n, gated,
                                                             _num_sms(device))):
             wide = triton_config.GLUON_PREFILL_WIDE_TILES[cfg.block_m]
-            sk = int(cfg.block_m in triton_config.GLUON_PREFILL_WIDE_STREAM_K_ROWS)
+            sk = _prefill_stream_k(cfg.block_m, triton_config.GLUON_PREFILL_WIDE_STREAM_K_ROWS)
             return dataclasses.replace(cfg, block_n=2 * cfg.block_n, num_stages=wide.num_stages,
                                        stream_k=sk)
         if cfg.block_m != 32:
-            sk = int(cfg.block_m in triton_config.GLUON_PREFILL_STREAM_K_ROWS)
+            sk = _prefill_stream_k(cfg.block_m, triton_config.GLUON_PREFILL_STREAM_K_ROWS)
             return dataclasses.replace(cfg, stream_k=sk)
         # 32-row blocks take the Gluon tile in its wide form only: the 256-row form ran
         # 1.00-1.03 of the Triton tile's time at EP8 down T=128 (variant 60)
@@ -1114,7 +1123,7 @@ def moe_gemm_indexed_triton(
             x, w_packed, w_scale, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
             out, num_routes=num_routes, grid_m=grid_m, block_m=cfg.block_m,
             block_n=cfg.block_n, block_k=cfg.block_k, num_stages=cfg.num_stages, gated=gated,
-            blocked=w_order == "blocked", stream_k=cfg.stream_k == 1)
+            blocked=w_order == "blocked", stream_k=cfg.stream_k)
     args = (num_routes, n, k, grid_m, x.stride(0), w_packed.stride(0), w_packed.stride(1),
             w_scale.stride(0), w_scale.stride(1))
     if cfg.n_tiles > 1:

@@ -154,6 +154,11 @@ def test_64_row_blocks_take_stream_k_in_the_256_row_form(monkeypatch):
     down = config(2048, 48, 7168, 2048)
     assert down == dataclasses.replace(GLUON_PREFILL_TILE_64, stream_k=1)
     assert down.label == "64,256,128,4,5,Z,K1,G"
+    # the 32-bit walk (variant 64) where GLUON_PREFILL_STREAM_K_WALK32_ROWS holds the rows
+    monkeypatch.setattr(triton_config, "GLUON_PREFILL_STREAM_K_WALK32_ROWS", (64,))
+    assert config(2048, 48, 7168, 2048).label == "64,256,128,4,5,Z,K2,G"
+    assert config(2048, 48, 4096, 7168) == GLUON_PREFILL_TILE_64_WIDE  # no stream-K: no walk
+    monkeypatch.setattr(triton_config, "GLUON_PREFILL_STREAM_K_WALK32_ROWS", ())
     assert config(2048, 48, 4096, 7168) == GLUON_PREFILL_TILE_64_WIDE
     assert config(2048, 48, 7168, 2048, config=GLUON_PREFILL_TILE_64) == GLUON_PREFILL_TILE_64
     # the rows the heuristic reads at each call (scripts/bench_kernels.py --stream-k-rows)
@@ -375,6 +380,46 @@ def test_128_row_ring_fits_shared_memory():
 
 
 @pytest.mark.usefixtures("real_triton_compile")
+@pytest.mark.parametrize("block_m, halves", [(64, 1), (64, 2), (128, 1)],
+                         ids=["64", "wide", "128"])
+def test_sm90_build_of_the_32_bit_stream_k_walk(block_m, halves):
+    """``stream_k=2`` (variant 64) walks the schedule in 32 bits: no 64-bit division is left
+    in its SASS (``I2F.U64``, ``F2I.U64``: the emulated one's first and last steps), where
+    the 64-bit walk has them, and it is over 250 instructions shorter. The 256-row forms
+    spill with neither walk; the wide form's stream-K build spills (Triton 3.6: 36 stores,
+    3.9: 61), the 32-bit walk's less (12, 4)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from chordq.kernels import gluon_prefill
+
+    tile = (GLUON_PREFILL_WIDE_TILES if halves == 2 else GLUON_PREFILL_TILES)[block_m]
+    walk64, walk32 = (_sass(gluon_prefill.compile_sm90(
+        block_m=block_m, num_stages=tile.num_stages, halves=halves, stream_k=sk))
+        for sk in (1, 2))
+    assert "I2F.U64" in walk64 and "F2I.U64" in walk64
+    assert "I2F.U64" not in walk32 and "F2I.U64" not in walk32
+    assert walk32.count("\n") < walk64.count("\n") - 250
+    if halves == 1:
+        assert "STL" not in walk32 and "LDL" not in walk32
+    assert walk32.count("STL") < walk64.count("STL") or "STL" not in walk64
+
+
+def test_32_bit_walk_bound():
+    """``walk_fits_32_bits``: ``programs`` x (under two rounds of tiles x step pairs) under
+    2^31, so it holds where the schedule shares under two rounds (``stream_k_shared``); every
+    Kimi launch fits by 2^10. Where a launch would not, the launcher takes the 64-bit walk."""
+    pytest.importorskip("triton.experimental.gluon")
+    from chordq.kernels.gluon_prefill import walk_fits_32_bits
+    from chordq.kernels.triton_w4a16 import stream_k_shared
+
+    assert walk_fits_32_bits(132, 7168 // 128) and 2 * 132 * 132 * 28 * 2**10 < 2**31
+    assert walk_fits_32_bits(2**14, 2) and not walk_fits_32_bits(2**14, 16)
+    for tiles in range(1, 800, 7):
+        for programs in (1, 3, 132):
+            working = min(programs, tiles)
+            assert stream_k_shared(tiles, working) < 2 * working, (tiles, programs)
+
+
+@pytest.mark.usefixtures("real_triton_compile")
 def test_sm90_build_takes_turns_at_the_tensor_cores():
     """The shipped build (``gluon_prefill.ORDERED``) has each consumer wait for its turn
     before its wgmmas and hand the turn on after them: one more mbarrier wait and one more
@@ -480,25 +525,30 @@ def test_k_split_tile_matches_the_reference(monkeypatch, block_m, e, n, k, m, to
                        w_order=w_order)
 
 
+@pytest.mark.parametrize("walk", ["64", "32", "32-unfit"])
 @pytest.mark.parametrize("activation", [None, "silu_mul"])
 @pytest.mark.parametrize("block_m, wide", [(96, False), (64, False), (64, True), (128, False)],
                          ids=["96", "64", "wide", "128"])
 @needs_sm90
-def test_stream_k_tile_matches_the_reference(monkeypatch, block_m, wide, activation):
+def test_stream_k_tile_matches_the_reference(monkeypatch, block_m, wide, activation, walk):
     """The stream-K schedule (``stream_k=1``) over 3 programs, as on a GPU with 3 SMs (the
     128-row form: each step in two parts, not yet run on a GPU when written): 4
     blocks x 4 column tiles (wide: 2) leave a last round of 1 (2) tile, so the last 4 (5)
     tiles are shared by K steps (16 steps, cut at pairs) and most of them cut in two, summed
     handed over through the stream-K buffers; twice, as the flags must be left zero (the next
     launch waits on them), and so must the buffers the stream's other stream-K kernels add
-    into."""
+    into. ``walk`` "32": ``stream_k=2``, the schedule walked in 32 bits (variant 64, not yet
+    run on a GPU when written); "32-unfit": the launcher's fallback to the 64-bit walk."""
     from chordq.kernels import gluon_prefill, triton_w4a16
 
     monkeypatch.setattr(gluon_prefill, "_num_sms", lambda device: 3)
+    if walk == "32-unfit":
+        monkeypatch.setattr(gluon_prefill, "walk_fits_32_bits", lambda programs, steps: False)
     tile = (GLUON_PREFILL_WIDE_TILES if wide else GLUON_PREFILL_TILES)[block_m]
+    sk = 1 if walk == "64" else 2
     cfg = dataclasses.replace(tile, block_n=tile.block_n // (2 if activation else 1),
-                              stream_k=1)
-    assert cfg.label.endswith(",K1,G")
+                              stream_k=sk)
+    assert cfg.label.endswith(f",K{sk},G")
     for _ in range(2):
         check_indexed_tile(block_m, 4, 1024, 2048, 100, 2, None, activation, config=cfg,
                            w_order="blocked")

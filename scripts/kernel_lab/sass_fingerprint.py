@@ -27,11 +27,11 @@ from chordq.kernels.triton_config import GLUON_PREFILL_TILES, GLUON_PREFILL_WIDE
 
 def builds():
     """``{name: thunk}``: every prefill block size and form (256-row and wide), plain and
-    fused, with and without stream-K, the unordered 96-row tile, the decode tile on 8-, 16-
+    fused, with and without stream-K (2: its 32-bit walk), the unordered 96-row tile, the decode tile on 8-, 16-
     and 32-row blocks, its stream-K form and the Triton stream-K kernel."""
     out = {}
     for (bm, tile), gated, sk in itertools.product(GLUON_PREFILL_TILES.items(), (False, True),
-                                                  (False, True)):
+                                                  (False, True, 2)):
         forms = [(1, tile)] + ([(2, GLUON_PREFILL_WIDE_TILES[bm])]
                                if bm in GLUON_PREFILL_WIDE_TILES else [])
         for halves, t in forms:
