@@ -458,6 +458,22 @@ def test_alt_verdict(reps, ok, want):
     assert bh.alt_verdict({"chordq_alt": {"error": "boom"}, "ratio_alt_reps": [0.9] * 6}) == "wrong"
 
 
+def test_gpu_checks_ab_mode_parses():
+    """``scripts/gpu_checks.sh ab``'s bench lines parse, and each --alt names a tuple constant
+    of triton_config (a renamed one would cost a device call to find)."""
+    import re
+    import shlex
+
+    script = _script()
+    text = (REPO / "scripts" / "gpu_checks.sh").read_text()
+    lines = re.findall(r"^    B (\w+) (\d+) (.*)$", text, re.M)
+    assert [name for name, _, _ in lines] == ["h0", "s0", "d0", "w32"]
+    for name, minutes, rest in lines:
+        args = script.build_parser().parse_args(
+            ["--against", "humming", "--max-minutes", minutes, *shlex.split(rest)])
+        assert script.parse_alt(args.alt), name
+
+
 def test_script_alt_flag():
     script = _script()
     assert script.parse_alt(["GLUON_PREFILL_STREAM_K_ROWS=64,96",
