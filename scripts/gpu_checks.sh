@@ -33,7 +33,7 @@ case "$MODE" in
       grep -A30 "^Failures" "$AB/$name/bench_humming.md" 2>/dev/null | tee -a "$OUT/summary.txt"
     }
     log "pytest: the switches' GPU tests (halved 16-row decode blocks, stream-K walks)"
-    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_gluon.py \
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_gluon.py \
       tests/test_kernels_gluon_prefill.py -k "halved or stream_k" 2>&1 | tail -15 \
       | tee -a "$OUT/summary.txt"
     # variant 63 where rows per expert are in (4, 6]: TP8 gate_up T=256; T=128 a control
