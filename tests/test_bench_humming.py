@@ -466,7 +466,7 @@ def test_gpu_checks_ab_mode_parses():
 
     script = _script()
     text = (REPO / "scripts" / "gpu_checks.sh").read_text()
-    lines = re.findall(r"^    B (\w+) (\d+) (.*)$", text, re.M)
+    lines = re.findall(r"^    B (\w+) (\d+) (.*)$", text, re.MULTILINE)
     assert [name for name, _, _ in lines] == ["h0", "s0", "d0", "w32"]
     for name, minutes, rest in lines:
         args = script.build_parser().parse_args(
