@@ -708,8 +708,8 @@ def alt_verdict(row: dict) -> str:
     alt / chordq is at most ``1 - ALT_MARGIN`` and the alt was faster in every interleaved
     repetition, "loses" the mirror image, "wrong" where its output failed the reference check,
     else "level". Every rep on one side is a sign test: 6 reps of noise that favours neither
-    fall on one side by chance once in 32, where one process's median alone moved 4-9% between runs of
-    the same config (performance.md §30)."""
+    all fall on the alt's side once in 64, where one process's median alone moved 4-9%
+    between runs of the same config (performance.md §30)."""
     alt = row.get("chordq_alt")
     if not isinstance(alt, dict) or "error" in alt or alt.get("ok") is False:
         return "wrong"

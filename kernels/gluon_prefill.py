@@ -267,7 +267,7 @@ def _sk_range(programs, shared, num_steps, SK: gl.constexpr):
     """This program's range of the shared tiles' step pairs, ``[it, end)`` (empty past
     ``programs``; ``_schedule``). ``SK`` 2 (variant 64): in 32 bits, where the host has
     bounded ``programs x total`` under 2^31 (``walk_fits_32_bits``): each piece's two 64-bit
-    divisions are 320-340 SASS instructions of the build, 0.1-0.2 µs a piece in variant 62's
+    divisions are 312-360 SASS instructions of a build, 0.1-0.2 µs a piece in variant 62's
     timeline."""
     pid = gl.program_id(0)
     if SK == 2:
@@ -818,7 +818,8 @@ def moe_gemm_indexed_gluon_prefill(x, w_packed, w_scale, sorted_token_ids, exper
     last round of tiles under 80% full and the round before it are shared out by K steps
     (``_schedule``); a tile cut in two is summed in FP32 through ``triton_w4a16``'s stream-K
     buffers; ``stream_k=2``: the same on the 32-bit walk (variant 64), 1 where it would not
-    fit (``walk_fits_32_bits``). ``k_split``: parts a step is dequantized and issued in (default ``k_split_of``).
+    fit (``walk_fits_32_bits``). ``k_split``: parts a step is dequantized and issued in
+    (default ``k_split_of``).
     ``columns``: ``(lo, hi)``, compute only output columns ``lo..hi`` (``out``'s others are
     left as they are): a launch of one tile form over part of N, beside another form's launch
     over the rest (the descriptors and ``out`` start at ``lo``; the kernel is unchanged)."""
