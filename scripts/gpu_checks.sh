@@ -17,9 +17,9 @@ log() { echo "=== $*" | tee -a "$OUT/summary.txt"; }
 log "$(date -u) $(nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader)"
 python3 -c "import torch, triton, numba; print('torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__)" | tee -a "$OUT/summary.txt"
 MODE=${1:-all}
+WHL=${HUMMING_WHEEL:-$(ls .whl/humming_kernels-*.whl 2>/dev/null | tail -1)}  # ab, humming*
 case "$MODE" in
   ab)
-    WHL=${HUMMING_WHEEL:-$(ls .whl/humming_kernels-*.whl 2>/dev/null | tail -1)}
     AB=$(mktemp -d)
     B() {  # B NAME MINUTES ARGS..: one bench process, its alt lines into the summary
       local name=$1 minutes=$2; shift 2
@@ -49,7 +49,6 @@ case "$MODE" in
     exit 0
     ;;
   humming|humming-tp8)
-    WHL=${HUMMING_WHEEL:-$(ls .whl/humming_kernels-*.whl 2>/dev/null | tail -1)}
     LAYOUT=EP8; [ "$MODE" = humming-tp8 ] && LAYOUT=TP8
     log "bench_kernels --against humming --layouts $LAYOUT (wheel: ${WHL:-none found})"
     # --max-minutes: start no new shape after 6 min; rows already measured are written as they finish
